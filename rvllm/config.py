@@ -1,0 +1,212 @@
+"""Engine configuration: what model, how much cache, how to schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on the CPU (no fast bf16 there) and bfloat16 on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The model's shape, read from a Hugging Face ``config.json`` (or a GGUF header)."""
+
+    path: str
+    hf_config: dict[str, Any]
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    gguf_file: str | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config["hidden_size"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads") or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.get("head_dim") or self.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @classmethod
+    def from_path(
+        cls, model: str, dtype: torch.dtype, max_model_len: int | None = None
+    ) -> ModelConfig:
+        """Read the config of a Hugging Face directory or a GGUF file (or a folder holding one)."""
+        from rvllm.models.default_model import resolve_gguf_path
+        from rvllm.models.registry import check_architecture
+
+        path = Path(model)
+        if not path.exists():
+            raise FileNotFoundError(f"Model path {model!r} does not exist.")
+        gguf_path = resolve_gguf_path(str(path))
+        generation_config: dict[str, Any] = {}
+        if gguf_path is not None:
+            from rvllm.models.gguf_loader import load_gguf_config
+
+            hf_config = load_gguf_config(gguf_path)
+            gguf_file = str(gguf_path)
+        else:
+            hf_config = _read_json(path / "config.json", required=True)
+            generation_config = _read_json(path / "generation_config.json", required=False)
+            gguf_file = None
+        archs = hf_config.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{path}: config.json names no 'architectures'.")
+        architecture = check_architecture(archs[0])
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if not isinstance(hf_config.get(key), int) or hf_config[key] <= 0:
+                raise ValueError(f"{path}: config field {key!r} must be a positive integer.")
+        derived = _derived_max_len(hf_config)
+        if max_model_len is None:
+            max_model_len = derived
+        elif max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's maximum "
+                f"context of {derived} tokens."
+            )
+        return cls(
+            path=str(path),
+            hf_config=hf_config,
+            architecture=architecture,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gguf_file=gguf_file,
+            generation_config=generation_config,
+        )
+
+
+def _derived_max_len(hf_config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(hf_config.get(key), int):
+            return hf_config[key]
+    return 2048
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(
+                f"{path} not found: a model directory needs config.json and *.safetensors "
+                "(or pass a .gguf file)."
+            )
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}.")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}.")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_gb}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything a user may set when building an engine (CLI flags map one to one)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    chat_template: str | None = None
+    show_progress: bool = False
+
+    def resolve_model(self) -> str:
+        if self.model:
+            return os.path.expanduser(self.model)
+        from rvllm.models.default_model import default_model_path
+
+        return str(default_model_path())

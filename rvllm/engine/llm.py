@@ -1,0 +1,98 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from rvllm.config import EngineArgs
+from rvllm.engine.llm_engine import LLMEngine, PromptType
+from rvllm.outputs import RequestOutput
+from rvllm.sampling_params import SamplingParams
+from rvllm.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate from many prompts at once, continuously batched.
+
+    ``LLM(model=DIR)`` takes a Hugging Face directory or a GGUF file; with no model
+    it loads the built-in default (SmolLM2-135M-Instruct). Keyword arguments are
+    the engine arguments (``dtype``, ``max_model_len``, ``num_gpu_blocks``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A string, a token-id list or a dict is
+        one prompt; a list of them is many."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts."
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(None, prompt, params))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or several) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            )
+            # The template already holds the special tokens (BOS and the like).
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]

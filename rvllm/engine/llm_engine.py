@@ -1,0 +1,369 @@
+"""The synchronous engine: requests in, one batched forward pass per ``step``, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rvllm.config import (
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+)
+from rvllm.engine.block_manager import BlockManager
+from rvllm.engine.scheduler import Scheduler
+from rvllm.engine.sequence import Sequence, SequenceStatus
+from rvllm.engine.stop import check_stop
+from rvllm.executor.kv_cache import determine_num_blocks
+from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
+from rvllm.models.loader import load_model
+from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from rvllm.sampling_params import SamplingParams
+from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("rvllm")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    sent_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+
+def load_tokenizer(model_config: ModelConfig, tokenizer: str | None) -> Tokenizer:
+    if tokenizer is None and model_config.gguf_file is not None:
+        from rvllm.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(model_config.gguf_file)
+    return Tokenizer.from_pretrained(tokenizer or model_config.path)
+
+
+class LLMEngine:
+    """Holds the model, the KV cache, the scheduler and every live request."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.perf_counter()
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        self.args = args
+        self.device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, self.device)
+        self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = _read_template(args.chat_template)
+        self.model = load_model(self.model_config, self.device, progress=args.show_progress)
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=args.num_gpu_blocks,
+            kv_cache_memory_gb=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.scheduler_config = _scheduler_config(args, self.model_config.max_model_len)
+        num_blocks = determine_num_blocks(self.model_config, self.cache_config,
+                                          self.scheduler_config, self.device)
+        self._check_capacity(num_blocks)
+        self.runner = ModelRunner(self.model, args.block_size, self.device)
+        self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
+                                      self.model_config.head_dim, dtype)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            _as_list(self.model_config.generation_config.get("eos_token_id"))
+        )
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.2fs: %s, %s, %d KV blocks of %d tokens",
+                    self.startup_seconds, self.model_config.architecture, dtype,
+                    num_blocks, args.block_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def _check_capacity(self, num_blocks: int) -> None:
+        capacity = num_blocks * self.cache_config.block_size
+        if capacity < self.model_config.max_model_len:
+            raise ValueError(
+                f"The model's max_model_len ({self.model_config.max_model_len}) is larger than "
+                f"the {capacity} tokens the KV cache can hold ({num_blocks} blocks of "
+                f"{self.cache_config.block_size}). Raise --num-gpu-blocks or --kv-cache-memory, "
+                "or lower --max-model-len."
+            )
+
+    # ----------------------------------------------------------------- requests
+
+    def new_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt may be text, a list of token ids, or {"prompt": ...} /
+        {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(
+                        f"prompt token ids must be integers in [0, {vocab}); got {t!r}."
+                    )
+            return None, ids
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}.")
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request. Raises ValueError (nothing is queued) when the
+        prompt or the parameters are unusable."""
+        params = (params or SamplingParams()).clone()
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token.")
+        max_tokens = self._max_tokens(len(prompt_ids), params)
+        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
+            raise ValueError(f"prompt_logprobs must be at most 20, got {params.prompt_logprobs}.")
+        if params.logprobs is not None and params.logprobs > 20:
+            raise ValueError(f"logprobs must be at most 20, got {params.logprobs}.")
+        vocab = self.model_config.vocab_size
+        for t in list(params.stop_token_ids or []) + list((params.logit_bias or {}).keys()):
+            if t >= vocab:
+                raise ValueError(f"token id {t} is outside the vocabulary (size {vocab}).")
+        params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        now = time.time() if arrival_time is None else arrival_time
+        seqs = [self._new_sequence(request_id, i, prompt_ids, params, now, max_tokens)
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs,
+                                            RequestMetrics(arrival_time=now),
+                                            sent_tokens=[0] * params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_ids)
+        return request_id
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if prompt_len >= limit:
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens, and the prompt "
+                    f"has {prompt_len} tokens: no room is left for the completion."
+                )
+            return limit - prompt_len
+        if prompt_len + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or "
+                "max_tokens."
+            )
+        return params.max_tokens
+
+    def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int],
+                      params: SamplingParams, now: float, max_tokens: int) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            # Sample i of a seeded request draws from seed + i, so n samples differ.
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+        detok = None
+        if params.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        return Sequence(next(self._seq_ids), request_id, index, prompt_ids, params, now,
+                        max_tokens, generator=generator, detokenizer=detok)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. False if it was not live."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.status.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and report every request that moved."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any waiting request.")
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            metrics = self.requests[s.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        step_outputs = self.runner.execute(sched)
+        now = time.time()
+        moved: dict[str, Request] = {}
+        for out in step_outputs:
+            seq = out.seq
+            seq.num_computed_tokens += out.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(out)
+            if out.token_id is not None:
+                self._append_token(out, now)
+                moved[seq.request_id] = self.requests[seq.request_id]
+        return [self._make_output(r, now) for r in moved.values()]
+
+    def _append_token(self, out: SeqStepOutput, now: float) -> None:
+        seq = out.seq
+        token = out.token_id
+        assert token is not None
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += out.logprob
+        self.stats["generation_tokens"] += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(token, out.logprob, out.top_ids,
+                                                    out.top_logprobs))
+        delta = seq.detokenizer.add_token(token) if seq.detokenizer is not None else ""
+        seq.text += delta
+        metrics = self.requests[seq.request_id].metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        status = check_stop(seq, self.max_model_len, len(delta))
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _logprob_entry(self, token: int, logprob: float, top_ids: list[int] | None,
+                       top_lps: list[float] | None) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        rank = None
+        for r, (tid, lp) in enumerate(zip(top_ids or [], top_lps or []), start=1):
+            entry[tid] = Logprob(lp, r, self._decode_one(tid))
+            if tid == token:
+                rank = r
+        chosen = entry.get(token)
+        entry[token] = Logprob(logprob, rank if chosen is None else chosen.rank,
+                               self._decode_one(token))
+        # The chosen token first, as vLLM orders it.
+        return {token: entry[token], **{k: v for k, v in entry.items() if k != token}}
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _add_prompt_logprobs(self, out: SeqStepOutput) -> None:
+        seq = out.seq
+        assert out.prompt_logprobs is not None and out.prompt_next_ids is not None
+        next_lps, top_ids, top_lps = out.prompt_logprobs
+        for j, token in enumerate(out.prompt_next_ids):
+            seq.prompt_logprobs.append(  # type: ignore[union-attr]
+                self._logprob_entry(token, next_lps[j], top_ids[j], top_lps[j])
+            )
+
+    def _make_output(self, request: Request, now: float) -> RequestOutput:
+        finished = request.finished
+        outputs = []
+        counts = []
+        for seq in request.seqs:
+            completion = CompletionOutput(
+                index=seq.index,
+                text=_visible_text(seq),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            outputs.append(completion)
+            counts.append(seq.num_output_tokens - request.sent_tokens[seq.index])
+            request.sent_tokens[seq.index] = seq.num_output_tokens
+        if finished:
+            request.metrics.finished_time = now
+            self.requests.pop(request.request_id, None)
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            metrics=request.metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            new_token_counts=counts,
+        )
+
+
+def _visible_text(seq: Sequence) -> str:
+    """While a stop string could still be forming at the end, hold that tail back."""
+    stops = seq.params.stop
+    if seq.status.is_finished or not stops or seq.params.include_stop_str_in_output:
+        return seq.text
+    hold = max(len(s) for s in stops) - 1
+    return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+
+
+def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+    if not args.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+            f"({max_model_len}) with chunked prefill off: long prompts could never run. "
+            "Raise it or enable chunked prefill."
+        )
+    return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill)
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _read_template(value: str) -> str:
+    from pathlib import Path
+
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    return value

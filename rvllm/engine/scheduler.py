@@ -1,0 +1,123 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (``max_num_batched_tokens``). Running sequences
+go first, oldest first, each taking what it still has to compute (one token
+for a decode, a chunk for an unfinished prefill). Waiting sequences are then
+admitted in arrival order while the budget, ``max_num_seqs`` and the block
+pool allow; a prompt larger than the remaining budget is chunked. When the pool
+runs dry, the newest running sequence is preempted: its blocks are freed and
+it goes back to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rvllm.config import SchedulerConfig
+from rvllm.engine.block_manager import BlockManager
+from rvllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the last known token, so its logits give the next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._fit_running(seq, n, out):
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _fit_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Find blocks for ``seq``, preempting newer sequences; False if it was preempted."""
+        while not self.block_manager.allocate_slots(seq, n):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_cached = len(cached) * bm.block_size
+            n = seq.num_tokens - num_cached
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not bm.allocate_slots(seq, n, cached):
+                break
+            bm.count_lookup(seq.num_tokens, num_cached)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a sequence out of the schedule for good and release its blocks."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)

@@ -1,0 +1,107 @@
+"""A sequence: one sample of one request, the unit the scheduler moves around."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rvllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rvllm.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids are the prompt followed by the output so far. ``num_computed_tokens``
+    of them have their K/V in the cache; the rest are computed by coming steps."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_tokens: int
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    stop_reason: int | str | None = None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Any]] | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still owes prompt logprobs for some prompt positions."""
+        return (
+            self.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its cache is gone, so every token is recomputed on resumption."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

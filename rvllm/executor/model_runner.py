@@ -1,0 +1,164 @@
+"""Turns one scheduled step into tensors, runs the model once, and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from rvllm.engine.sequence import Sequence
+from rvllm.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
+from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+
+
+@dataclass(slots=True)
+class SeqStepOutput:
+    """What one step produced for one sequence."""
+
+    seq: Sequence
+    num_new_tokens: int
+    token_id: int | None = None
+    logprob: float = 0.0
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+    # (logprob of each actual next prompt token, top ids, top logprobs) for this chunk
+    prompt_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+    prompt_next_ids: list[int] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window: int | None = getattr(model, "sliding_window", None)
+        self.sampler = Sampler()
+
+    def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype) -> None:
+        # Zeroed, not empty: masked-out slots are still read, and must not hold NaNs.
+        shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
+        for attn in self.model.attention_layers():
+            attn.kv_cache = (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, metadata = self._prepare(decodes, prefills)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        return self._sample(ordered, hidden)
+
+    def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        prefill_meta: list[PrefillSeq] = []
+        for s in prefills:
+            seq, ctx, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            all_pos = torch.arange(ctx + n)
+            seq_slots = table[all_pos // bs] * bs + all_pos % bs
+            prefill_meta.append(self._prefill_seq(len(ids), ctx, n, seq_slots))
+            ids.extend(seq.token_ids[ctx:ctx + n])
+            pos.extend(range(ctx, ctx + n))
+            slots.extend(seq_slots[ctx:].tolist())
+        dev = self.device
+        decode_slots, decode_mask = self._decode_gather(decodes)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefill_meta,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), metadata)
+
+    def _prefill_seq(self, start: int, ctx: int, n: int, seq_slots: torch.Tensor) -> PrefillSeq:
+        if ctx == 0 and self.sliding_window is None:
+            return PrefillSeq(start, n, ctx, None, None)
+        q_pos = torch.arange(ctx, ctx + n).unsqueeze(1)
+        k_pos = torch.arange(ctx + n).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        return PrefillSeq(start, n, ctx, seq_slots.to(self.device), mask.to(self.device))
+
+    def _decode_gather(self, decodes: list[ScheduledSeq]
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decodes:
+            return None, None
+        bs = self.block_size
+        seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+        max_len = int(seq_lens.max())
+        max_blocks = -(-max_len // bs)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, s in enumerate(decodes):
+            row = s.seq.block_table[:max_blocks]
+            tables[i, : len(row)] = torch.tensor(row)
+        k_pos = torch.arange(max_len)
+        slots = tables[:, k_pos // bs] * bs + k_pos % bs
+        mask = k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        if self.sliding_window is not None:
+            mask &= k_pos.unsqueeze(0) > (seq_lens - 1 - self.sliding_window).unsqueeze(1)
+        return slots.to(self.device), mask[:, None, None, :].to(self.device)
+
+    def _sample(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:
+        outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
+        sample_rows: list[int] = []  # flat row of the last token of each sampling sequence
+        sampling: list[SeqStepOutput] = []
+        prompt_rows: list[tuple[SeqStepOutput, list[int], list[int]]] = []
+        start = 0
+        for s, out in zip(ordered, outputs):
+            seq, n = s.seq, s.num_new_tokens
+            if seq.wants_prompt_logprobs:
+                # Position p predicts prompt token p + 1; after a preemption the
+                # positions already collected are skipped.
+                ctx = seq.num_computed_tokens
+                first = max(ctx, len(seq.prompt_logprobs) - 1)
+                last = min(ctx + n, seq.num_prompt_tokens - 1)
+                if last > first:
+                    rows = list(range(start + first - ctx, start + last - ctx))
+                    prompt_rows.append((out, rows, seq.token_ids[first + 1:last + 1]))
+            if s.samples:
+                sample_rows.append(start + n - 1)
+                sampling.append(out)
+            start += n
+        for out, rows, next_ids in prompt_rows:
+            logits = self.model.compute_logits(hidden[rows]).float()
+            k = out.seq.params.prompt_logprobs or 0
+            out.prompt_logprobs = compute_prompt_logprobs(
+                logits, torch.tensor(next_ids, device=logits.device), k
+            )
+            out.prompt_next_ids = next_ids
+        if sampling:
+            logits = self.model.compute_logits(hidden[sample_rows]).float()
+            rows = [
+                SamplingRow(o.seq.params, o.seq.prompt_token_ids, o.seq.output_token_ids,
+                            o.seq.generator)
+                for o in sampling
+            ]
+            result = self.sampler(logits, rows)
+            for i, o in enumerate(sampling):
+                o.token_id = result.sampled_token_ids[i]
+                o.logprob = result.sampled_logprobs[i]
+                if result.top_logprob_ids is not None:
+                    o.top_ids = result.top_logprob_ids[i]
+                    o.top_logprobs = result.top_logprobs[i]
+        return outputs

@@ -1,0 +1,71 @@
+"""Attention over the paged KV cache, in plain torch.
+
+Each layer owns a (key_cache, value_cache) pair of shape
+[num_blocks, block_size, num_kv_heads, head_dim]. New keys and values are
+written through ``slot_mapping``; queries then read their whole context back
+through the per-step gather indices in the forward context. GPU kernels can
+replace ``forward`` behind the same interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rvllm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq * D]."""
+        ctx = get_forward_context()
+        assert self.kv_cache is not None, "KV cache not bound to this layer"
+        key_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        value_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_flat.index_copy_(0, ctx.slot_mapping, k)
+        value_flat.index_copy_(0, ctx.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = ctx.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], key_flat, value_flat, ctx.decode_slots,
+                                    ctx.decode_mask)
+        for p in ctx.prefills:
+            rows = slice(p.token_start, p.token_start + p.num_tokens)
+            if p.slots is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys, values = key_flat[p.slots], value_flat[p.slots]
+            out[rows] = self._prefill(q[rows], keys, values, p.mask)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
+                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keys = key_flat[slots].transpose(1, 2)  # [B, Hk, L, D]
+        values = value_flat[slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,48 @@
+"""Token embedding and LM head, split over the vocabulary across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary's rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        tp_rank, tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        shard = loaded[self.vocab_start:self.vocab_end]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; may share its weight with the embedding."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,132 @@
+"""Linear layers that know about tensor parallelism (tp_size=1 is the plain case).
+
+Column-parallel layers split the output features across ranks; row-parallel
+layers split the input features and sum the partial results. Each parameter
+carries a ``weight_loader`` that takes the full checkpoint tensor and keeps
+this rank's shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by the tensor-parallel size {b}.")
+    return a // b
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size)
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather_last_dim(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate+up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        assert isinstance(shard_id, int)
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        offset = sum(sizes[:shard_id])
+        size = sizes[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections fused into one matmul.
+
+    KV heads are replicated when there are fewer of them than ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp)
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, total, bias=bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, rank = q_size, kv_size, self.tp_rank // self.kv_replicas
+        elif shard_id == "v":
+            offset, size, rank = q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"unknown qkv shard {shard_id!r}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (input features) split across ranks, summed after."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size_per_partition = _divide(input_size, self.tp_size)
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: int | str | None = None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        # The bias is added once, after the sum, so it is not counted tp_size times.
+        return y + self.bias if self.bias is not None else y

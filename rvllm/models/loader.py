@@ -1,0 +1,77 @@
+"""Build a model and fill it from safetensors or GGUF files."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from rvllm.config import ModelConfig
+from rvllm.models.registry import get_model_class
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint shards of a Hugging Face directory, in index order."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards named in {index} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {path}.")
+    return files
+
+
+def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors one at a time from memory-mapped files, so peak memory stays at one tensor."""
+    total = 0
+    handles = []
+    for file in files:
+        handle = safe_open(str(file), framework="pt")
+        handles.append(handle)
+        total += len(list(handle.keys()))
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for handle in handles:
+        for name in handle.keys():
+            yield name, handle.get_tensor(name)
+            bar.update(1)
+    bar.close()
+
+
+def load_model(config: ModelConfig, device: torch.device, progress: bool = False) -> nn.Module:
+    """Instantiate the registered class for ``config`` and load its weights."""
+    start = time.perf_counter()
+    cls = get_model_class(config.architecture)
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(config.hf_config, config.max_model_len)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if config.gguf_file is not None:
+        from rvllm.models.gguf_loader import iter_gguf_tensors
+
+        weights = iter_gguf_tensors(config.gguf_file, dtype=config.dtype, progress=progress)
+    else:
+        weights = iter_safetensors(safetensors_files(Path(config.path)), progress)
+    loaded = model.load_weights(weights)
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(
+            f"the checkpoint in {config.path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
+        )
+    model.eval()
+    model.load_seconds = time.perf_counter() - start
+    return model

@@ -1,0 +1,133 @@
+"""Sampling parameters for one request, with vLLM's field names and validation."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    Field names and defaults follow vLLM. Invalid values raise ``ValueError``
+    naming the field and the allowed range.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+    # Filled by the engine: EOS ids of the model, honoured unless ignore_eos.
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:  # vLLM's older spelling of "disabled"
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}."
+            )
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_int("top_k", self.top_k, low=0, hint="0 or -1 disables top_k")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=0)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a mapping of token id to bias.")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            for k, v in self.logit_bias.items():
+                if k < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {k}.")
+                if not -100.0 <= v <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            abs(self.presence_penalty) > _SAMPLING_EPS
+            or abs(self.frequency_penalty) > _SAMPLING_EPS
+            or abs(self.repetition_penalty - 1.0) > _SAMPLING_EPS
+        )
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    _check_number(name, value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
+
+
+def _check_int(name: str, value: object, low: int | None = None, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if low is not None and value < low:
+        extra = f" ({hint})" if hint else ""
+        raise ValueError(f"{name} must be at least {low}{extra}, got {value}.")
