@@ -1,0 +1,60 @@
+"""Engine flags shared by every command, with vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+
+from rvllm.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory or .gguf file "
+                        "(default: the built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
+                   help="compute dtype; auto = float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV-cache blocks (overrides the memory budget)")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0,
+                   help="GiB of KV cache on the CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory rvllm may use")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 2048)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts across steps")
+    g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template (a file or the template text) replacing the model's")
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        block_size=ns.block_size,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        seed=ns.seed,
+        chat_template=ns.chat_template,
+        show_progress=True,
+    )
