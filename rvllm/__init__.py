@@ -19,7 +19,10 @@ _EXPORTS = {
     "Tokenizer": "rvllm.tokenizer",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+    "Sampler", "sample_batch", "Tokenizer", "__version__",
+]
 
 if TYPE_CHECKING:
     from rvllm.config import EngineArgs

@@ -20,7 +20,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            f"rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     params["rope_type"] = rope_type
     return params

@@ -1,0 +1,111 @@
+"""The ``rvllm`` command: serve | generate | chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from rvllm.cli_args import add_engine_args, engine_args_from_namespace
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
+
+
+def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201 - SamplingParams
+    from rvllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rvllm", description="rvllm: LLM inference and serving engine"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template as a user message")
+    add_sampling_args(gen, max_tokens=128)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(chat, max_tokens=512)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from rvllm.server.app import add_serve_args
+
+    add_serve_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from rvllm.server.app import run_server
+
+            run_server(args)
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            from rvllm.chat import run_chat
+
+            return run_chat(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"rvllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine
+    from rvllm.engine.llm_engine import LLMEngine
+
+    start = time.perf_counter()
+    engine = LLMEngine(engine_args_from_namespace(args))
+    print(f"Loaded {engine.model_config.path} in {time.perf_counter() - start:.2f}s",
+          file=sys.stderr)
+    return engine
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    engine = _load_engine(args)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    request_id = engine.add_request(None, prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

