@@ -38,12 +38,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype) -> None:
-        # Zeroed, not empty: masked-out slots are still read, and must not hold NaNs.
+        # Left uninitialised (fast to allocate): attention only ever gathers slots that
+        # were written, since padding in the decode gather repeats a real slot.
         shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
         for attn in self.model.attention_layers():
             attn.kv_cache = (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
             )
 
     @torch.inference_mode()
@@ -113,8 +114,11 @@ class ModelRunner:
             row = s.seq.block_table[:max_blocks]
             tables[i, : len(row)] = torch.tensor(row)
         k_pos = torch.arange(max_len)
-        slots = tables[:, k_pos // bs] * bs + k_pos % bs
         mask = k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        # Padding reads the sequence's last real slot, never uninitialised memory
+        # (a NaN there would poison the masked softmax).
+        k_pos = torch.minimum(k_pos.unsqueeze(0), (seq_lens - 1).unsqueeze(1))
+        slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
         if self.sliding_window is not None:
             mask &= k_pos.unsqueeze(0) > (seq_lens - 1 - self.sliding_window).unsqueeze(1)
         return slots.to(self.device), mask[:, None, None, :].to(self.device)

@@ -62,7 +62,8 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
     if config.gguf_file is not None:
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
-        weights = iter_gguf_tensors(config.gguf_file, dtype=config.dtype, progress=progress)
+        weights = tqdm(iter_gguf_tensors(config.gguf_file, dtype=config.dtype),
+                       desc="Loading GGUF tensors", unit="tensor", disable=not progress)
     else:
         weights = iter_safetensors(safetensors_files(Path(config.path)), progress)
     loaded = model.load_weights(weights)
