@@ -248,3 +248,33 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 def test_missing_model_path_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         LLM(str(tmp_path / "nothing-here"))
+
+
+def test_sharded_checkpoint_loads_identically(llama_dir: Path, tmp_path: Path) -> None:
+    from conftest import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    build_tokenizer(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert greedy(LLM(str(tmp_path)), make_prompts()) == reference(llama_dir)
+
+
+def test_bfloat16_runs_close_to_float32(llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    prompt = make_prompts(lens=(20,))
+    ref = LLM(str(llama_dir)).generate(prompt, params)[0].outputs[0]
+    bf16 = LLM(str(llama_dir), dtype="bfloat16").generate(prompt, params)[0].outputs[0]
+    assert next(iter(bf16.logprobs[0].values())).logprob == pytest.approx(
+        ref.logprobs[0][bf16.token_ids[0]].logprob, abs=0.1)
+
+
+def test_missing_weights_are_named(llama_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    for f in llama_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(tmp_path))

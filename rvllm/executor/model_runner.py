@@ -113,14 +113,15 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             row = s.seq.block_table[:max_blocks]
             tables[i, : len(row)] = torch.tensor(row)
-        k_pos = torch.arange(max_len)
-        mask = k_pos.unsqueeze(0) < seq_lens.unsqueeze(1)
+        k_pos = torch.arange(max_len).unsqueeze(0)
+        last = (seq_lens - 1).unsqueeze(1)
+        mask = k_pos <= last
+        if self.sliding_window is not None:
+            mask &= k_pos > last - self.sliding_window
         # Padding reads the sequence's last real slot, never uninitialised memory
         # (a NaN there would poison the masked softmax).
-        k_pos = torch.minimum(k_pos.unsqueeze(0), (seq_lens - 1).unsqueeze(1))
+        k_pos = torch.minimum(k_pos, last)
         slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
-        if self.sliding_window is not None:
-            mask &= k_pos.unsqueeze(0) > (seq_lens - 1 - self.sliding_window).unsqueeze(1)
         return slots.to(self.device), mask[:, None, None, :].to(self.device)
 
     def _sample(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:

@@ -59,6 +59,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# id(cos table) -> (positions tensor, cos, sin) of the step in flight.
+_MEMO: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _cos_sin(head_dim: int, max_position: int, params: dict[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -81,12 +83,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer sees the same positions tensor in a step: gather cos/sin once.
+        memo = _MEMO.get(id(self.cos_cache))
+        if memo is not None and memo[0] is positions and memo[1].dtype == dtype:
+            return memo[1], memo[2]
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        _MEMO[id(self.cos_cache)] = (positions, cos, sin)
+        return cos, sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._lookup(positions, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k
