@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,8 +16,23 @@ class PrefillSeq:
     token_start: int  # first row of this sequence in the flat token batch
     num_tokens: int  # new tokens this step
     context_len: int  # tokens already in the cache before this step
-    slots: torch.Tensor | None  # cache slots of positions [0, context_len + num_tokens)
-    mask: torch.Tensor | None  # [num_tokens, context_len + num_tokens] bool; None = plain causal
+    slots: torch.Tensor  # cache slots of positions [0, context_len + num_tokens)
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[num_tokens, context_len + num_tokens] bool, True = attend; None when plain
+        causal attention over this step's own tokens is all that is needed."""
+        if self.context_len == 0 and window is None:
+            return None
+        if window not in self._masks:
+            ctx, n = self.context_len, self.num_tokens
+            q_pos = torch.arange(ctx, ctx + n, device=self.slots.device).unsqueeze(1)
+            k_pos = torch.arange(ctx + n, device=self.slots.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._masks[window] = mask
+        return self._masks[window]
 
 
 @dataclass(slots=True)
@@ -25,14 +40,29 @@ class AttentionMetadata:
     """Where each new token's K/V goes and what each query attends to.
 
     The flat batch holds the decode tokens first (one per sequence), then the
-    prefill chunks, one sequence after another.
+    prefill chunks, one sequence after another. Masks are built on first use for
+    each sliding-window size, so models mixing local and global layers pay once.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decode_tokens: int
     decode_slots: torch.Tensor | None  # [num_decodes, max_len] gather index into the cache
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] context length including the new token
     prefills: list[PrefillSeq]
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_len] bool, True = attend."""
+        if window not in self._decode_masks:
+            assert self.decode_slots is not None and self.decode_seq_lens is not None
+            max_len = self.decode_slots.shape[1]
+            k_pos = torch.arange(max_len, device=self.decode_slots.device).unsqueeze(0)
+            last = (self.decode_seq_lens - 1).unsqueeze(1)
+            mask = k_pos <= last
+            if window is not None:
+                mask &= k_pos > last - window
+            self._decode_masks[window] = mask[:, None, None, :]
+        return self._decode_masks[window]
 
 
 _CONTEXT: AttentionMetadata | None = None

@@ -33,7 +33,6 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.sliding_window: int | None = getattr(model, "sliding_window", None)
         self.sampler = Sampler()
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
@@ -75,34 +74,25 @@ class ModelRunner:
             table = torch.tensor(seq.block_table, dtype=torch.long)
             all_pos = torch.arange(ctx + n)
             seq_slots = table[all_pos // bs] * bs + all_pos % bs
-            prefill_meta.append(self._prefill_seq(len(ids), ctx, n, seq_slots))
+            prefill_meta.append(PrefillSeq(len(ids), n, ctx, seq_slots.to(self.device)))
             ids.extend(seq.token_ids[ctx:ctx + n])
             pos.extend(range(ctx, ctx + n))
             slots.extend(seq_slots[ctx:].tolist())
         dev = self.device
-        decode_slots, decode_mask = self._decode_gather(decodes)
+        decode_slots, decode_seq_lens = self._decode_gather(decodes)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_seq_lens=decode_seq_lens,
             prefills=prefill_meta,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), metadata)
 
-    def _prefill_seq(self, start: int, ctx: int, n: int, seq_slots: torch.Tensor) -> PrefillSeq:
-        if ctx == 0 and self.sliding_window is None:
-            return PrefillSeq(start, n, ctx, None, None)
-        q_pos = torch.arange(ctx, ctx + n).unsqueeze(1)
-        k_pos = torch.arange(ctx + n).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        return PrefillSeq(start, n, ctx, seq_slots.to(self.device), mask.to(self.device))
-
     def _decode_gather(self, decodes: list[ScheduledSeq]
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Cache slots of every context position of each decoding sequence, padded."""
         if not decodes:
             return None, None
         bs = self.block_size
@@ -113,16 +103,11 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             row = s.seq.block_table[:max_blocks]
             tables[i, : len(row)] = torch.tensor(row)
-        k_pos = torch.arange(max_len).unsqueeze(0)
-        last = (seq_lens - 1).unsqueeze(1)
-        mask = k_pos <= last
-        if self.sliding_window is not None:
-            mask &= k_pos > last - self.sliding_window
         # Padding reads the sequence's last real slot, never uninitialised memory
         # (a NaN there would poison the masked softmax).
-        k_pos = torch.minimum(k_pos, last)
+        k_pos = torch.minimum(torch.arange(max_len).unsqueeze(0), (seq_lens - 1).unsqueeze(1))
         slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
-        return slots.to(self.device), mask[:, None, None, :].to(self.device)
+        return slots.to(self.device), seq_lens.to(self.device)
 
     def _sample(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:
         outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]

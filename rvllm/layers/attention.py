@@ -17,8 +17,10 @@ from rvllm.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -38,14 +40,15 @@ class Attention(nn.Module):
         nd = ctx.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q[:nd], key_flat, value_flat, ctx.decode_slots,
-                                    ctx.decode_mask)
+                                    ctx.decode_mask(self.sliding_window))
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            if p.slots is None:
+            mask = p.mask(self.sliding_window)
+            if mask is None:
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = key_flat[p.slots], value_flat[p.slots]
-            out[rows] = self._prefill(q[rows], keys, values, p.mask)
+            out[rows] = self._prefill(q[rows], keys, values, mask)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,

@@ -48,7 +48,8 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg))
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5,
+                              sliding_window=sliding_window(cfg))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -120,7 +121,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        self.sliding_window = sliding_window(cfg)
         self.model = LlamaModel(cfg, max_position)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if cfg.get("tie_word_embeddings", False):
