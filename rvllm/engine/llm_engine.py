@@ -248,7 +248,12 @@ class LLMEngine:
             if out.prompt_logprobs is not None:
                 self._add_prompt_logprobs(out)
             if out.token_id is not None:
-                self._append_token(out, now)
+                if seq.max_tokens == 0:
+                    # Prompt scoring (echo + logprobs): done once the prompt is computed;
+                    # the token sampled from its last position is dropped.
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                else:
+                    self._append_token(out, now)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
 
@@ -270,6 +275,9 @@ class LLMEngine:
         metrics.last_token_time = now
         status = check_stop(seq, self.max_model_len, len(delta))
         if status is not None:
+            if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                # A character cut off by the end of generation still gets its bytes out.
+                seq.text += seq.detokenizer.flush()
             self.scheduler.finish(seq, status)
 
     def _logprob_entry(self, token: int, logprob: float, top_ids: list[int] | None,
