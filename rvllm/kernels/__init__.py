@@ -1,0 +1,46 @@
+"""Triton kernels for the GPU path, each in its own module beside the plain-torch
+reference it must match.
+
+The kernel modules import triton, so import them directly where the GPU path is
+chosen (``from rvllm.kernels.decode_attention import paged_decode_attention``);
+this package itself imports without triton so the CPU path never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable
+
+import torch
+
+KERNEL_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding_with_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "silu_and_mul",
+    "greedy_sample",
+)
+
+
+def check_kernels(device: torch.device | str, dtype: torch.dtype,
+                  kernels: Iterable[str] | None = None) -> list[str]:
+    """Compile each kernel (all, or those named) and compare it with its reference on a
+    small input; returns the names checked.
+
+    Raises RuntimeError naming the kernel and what to do when triton is missing, a
+    kernel fails to compile or run, or its output does not match.
+    """
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(
+            "The Triton kernels need the `triton` package, which is not installed: "
+            "`pip install triton` (the version your PyTorch build pins), or use the "
+            "plain-torch path."
+        )
+    from rvllm.kernels.check import run_check
+
+    names = list(KERNEL_NAMES if kernels is None else kernels)
+    for name in names:
+        run_check(name, torch.device(device), dtype)
+    return names

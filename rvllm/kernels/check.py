@@ -1,0 +1,140 @@
+"""Start-up self-check: each kernel against its reference on a small input.
+
+The inputs are small but cover the paths a model takes: GQA, a context that
+crosses cache blocks, split-KV, a cached prefix, a sliding window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from rvllm.kernels import (
+    activation,
+    decode_attention,
+    greedy,
+    prefill_attention,
+    rms_norm,
+    rotary_kv,
+)
+
+Outputs = tuple[torch.Tensor, ...]
+
+# atol = rtol; float32 allows for TF32 matmuls inside the attention kernels on GPU.
+TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _rms_norm(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    x = torch.randn(3, 80, device=dev, dtype=dtype)
+    w = torch.randn(80, device=dev, dtype=dtype)
+    return (rms_norm.rms_norm(x, w, 1e-6),), (rms_norm.rms_norm_ref(x, w, 1e-6),)
+
+
+def _fused_add_rms_norm(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    x, res = (torch.randn(3, 80, device=dev, dtype=dtype) for _ in range(2))
+    w = torch.randn(80, device=dev, dtype=dtype)
+    return (rms_norm.fused_add_rms_norm(x, res, w, 1e-6),
+            rms_norm.fused_add_rms_norm_ref(x, res, w, 1e-6))
+
+
+def _rotary(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    num_tokens, head_dim = 5, 32
+    q = torch.randn(num_tokens, 4, head_dim, device=dev, dtype=dtype)
+    k, v = (torch.randn(num_tokens, 2, head_dim, device=dev, dtype=dtype) for _ in range(2))
+    freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1).to(dev)
+    positions = torch.tensor([0, 7, 16, 33, 63], device=dev)
+    slots = torch.tensor([2, 9, -1, 31, 16], device=dev)
+    results = []
+    for fn in (rotary_kv.rotary_embedding_with_kv_cache,
+               rotary_kv.rotary_embedding_with_kv_cache_ref):
+        caches = [torch.zeros(2, 16, 2, head_dim, device=dev, dtype=dtype) for _ in range(2)]
+        q_out, k_out = fn(positions, q.clone(), k.clone(), v, emb.cos(), emb.sin(), *caches,
+                          slots)
+        results.append((q_out, k_out, *caches))
+    return results[0], results[1]
+
+
+def _paged_inputs(dev: torch.device, dtype: torch.dtype, num_seqs: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int = 32) -> tuple[torch.Tensor, ...]:
+    block_size, blocks_per_seq = 16, 4
+    num_blocks = num_seqs * blocks_per_seq + 1
+    key_cache, value_cache = (
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=dev, dtype=dtype)
+        for _ in range(2)
+    )
+    tables = torch.randperm(num_blocks, device=dev)[: num_seqs * blocks_per_seq]
+    return key_cache, value_cache, tables.view(num_seqs, blocks_per_seq).int()
+
+
+def _decode(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    key_cache, value_cache, tables = _paged_inputs(dev, dtype, 3, 8, 2)
+    q = torch.randn(3, 8, 32, device=dev, dtype=dtype)
+    seq_lens = torch.tensor([1, 17, 50], device=dev, dtype=torch.int32)
+    args = (q, key_cache, value_cache, tables, seq_lens, 1 / math.sqrt(32))
+    ref = decode_attention.paged_decode_attention_ref(*args)
+    single = decode_attention.paged_decode_attention(*args, partition_size=None)
+    split = decode_attention.paged_decode_attention(*args, partition_size=32, block_n=16)
+    return (single, split), (ref, ref)
+
+
+def _prefill(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    key_cache, value_cache, tables = _paged_inputs(dev, dtype, 2, 4, 1)
+    q = torch.randn(25, 4, 32, device=dev, dtype=dtype)
+    query_start_loc = torch.tensor([0, 20, 25], device=dev, dtype=torch.int32)
+    seq_lens = torch.tensor([20, 40], device=dev, dtype=torch.int32)  # second has a prefix
+    args = (q, key_cache, value_cache, tables, query_start_loc, seq_lens, 20, 1 / math.sqrt(32))
+    out = prefill_attention.paged_prefill_attention(*args, block_m=16, block_n=16)
+    return (out,), (prefill_attention.paged_prefill_attention_ref(*args),)
+
+
+def _silu_and_mul(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    x = torch.randn(3, 160, device=dev, dtype=dtype)
+    return (activation.silu_and_mul(x),), (activation.silu_and_mul_ref(x),)
+
+
+def _greedy(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    logits = torch.randn(3, 1000, device=dev, dtype=dtype)
+    return greedy.greedy_sample(logits, block=256), greedy.greedy_sample_ref(logits)
+
+
+CASES: dict[str, Callable[[torch.device, torch.dtype], tuple[Outputs, Outputs]]] = {
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "rotary_embedding_with_kv_cache": _rotary,
+    "paged_decode_attention": _decode,
+    "paged_prefill_attention": _prefill,
+    "silu_and_mul": _silu_and_mul,
+    "greedy_sample": _greedy,
+}
+
+
+def run_check(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Run one kernel's check; RuntimeError (naming it and what to do) on any failure."""
+    if name not in CASES:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(CASES)}.")
+    advice = ("Run `pytest tests/test_kernels.py` on this machine to see the failing case; "
+              "install the Triton version this PyTorch build pins, or use the plain-torch path.")
+    where = f"on {device} in {str(dtype).removeprefix('torch.')}"
+    try:
+        # Seeded inputs, without disturbing the caller's random state.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            got, want = CASES[name](device, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        raise RuntimeError(f"Triton kernel {name} failed to compile or run {where}: "
+                           f"{type(exc).__name__}: {exc}. {advice}") from exc
+    tol = TOLERANCE.get(dtype, 1e-2)
+    for g, w in zip(got, want):
+        if g.is_floating_point():
+            ok = torch.allclose(g.float(), w.float(), atol=tol, rtol=tol)
+        else:
+            ok = torch.equal(g, w)
+        if not ok:
+            err = (g.float() - w.float()).abs().max().item()
+            raise RuntimeError(f"Triton kernel {name} does not match its plain-torch reference "
+                               f"{where} (max abs error {err:.3g}, tolerance {tol}). {advice}")

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 7), for a CUDA machine with only PyTorch, Triton and
+# transformers installed. Steps, each under its own time limit and all within 8 minutes:
+#   1. the kernel and CUDA-graph tests, natively (no TRITON_INTERPRET; pytest if present,
+#      else scripts/run_tests.py's stand-in)
+#   2. each Triton kernel timed against its plain-torch reference at Qwen2.5-7B shapes
+#   3. the engine benchmark (7B-shaped dummy weights, bf16, N=1/8/32/128, graphs on/off),
+#      when `rvllm benchmark` supports it; otherwise "skipped: ..."
+#   4. the peer: transformers generate on the same model
+# Results: JSON per step plus gpu_check.json (step statuses) in $OUT, else benchmarks/results.
+# A failing step is recorded and the next one still runs; the exit status is 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out_dir="${OUT:-benchmarks/results}"
+mkdir -p "$out_dir"
+py="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+budget_s="${GPU_CHECK_BUDGET_S:-470}"  # 8 minutes, less a margin for the summary
+steps="$out_dir/gpu_check_steps.tsv"
+: >"$steps"
+failed=0
+
+# run_step NAME LIMIT_S COMMAND...: run under min(LIMIT_S, time left); record the outcome.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((budget_s - SECONDS))
+  if ((left < 30)); then
+    echo "skipped: $name (out of time)"; printf '%s\tskipped\t0\tout of time\n' "$name" >>"$steps"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit}s) ==="
+  local start=$SECONDS rc=0
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out_dir/$name.log" || rc=$?
+  local status=ok
+  ((rc == 124 || rc == 137)) && status=timeout
+  ((rc != 0 && rc != 124 && rc != 137)) && status=failed
+  [[ $status != ok ]] && failed=1
+  printf '%s\t%s\t%s\trc=%s\n' "$name" "$status" $((SECONDS - start)) "$rc" >>"$steps"
+}
+
+skip_step() {
+  echo "skipped: $1 ($2)"; printf '%s\tskipped\t0\t%s\n' "$1" "$2" >>"$steps"
+}
+
+"$py" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
+print(torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+  || { echo "gpu_check needs PyTorch with CUDA and Triton"; exit 1; }
+
+run_step kernel_tests 180 "$py" scripts/run_tests.py tests/test_kernels.py \
+  tests/test_cuda_graphs.py --json "$out_dir/kernel_tests.json"
+run_step kernel_bench 150 "$py" scripts/bench_kernels.py --out "$out_dir/kernel_bench.json"
+
+model_dir="$out_dir/qwen2.5-7b-shape"
+"$py" scripts/bench_hf_peer.py --save-config "$model_dir"
+if "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format"; then
+  # Flags follow the issue (dummy weights, no tokenizer, graphs on/off); adjust here
+  # if `rvllm benchmark` names them differently.
+  engine_bench() {
+    for eager in "" "--enforce-eager"; do
+      # shellcheck disable=SC2086  # $eager is one flag or nothing
+      "$py" -m rvllm.cli benchmark --model "$model_dir" --load-format dummy \
+        --skip-tokenizer-init --dtype bfloat16 --num-seqs 1,8,32,128 --output-len 256 \
+        $eager --json "$out_dir/engine_bench${eager:+_eager}.json" || return 1
+    done
+  }
+  export -f engine_bench
+  export py model_dir out_dir
+  run_step engine_bench 240 bash -c engine_bench
+else
+  skip_step engine_bench "rvllm benchmark with --load-format dummy is not available yet"
+fi
+
+if [[ "${GPU_CHECK_PEER:-1}" == 1 ]]; then
+  run_step hf_peer 120 "$py" scripts/bench_hf_peer.py --out "$out_dir/hf_peer.json"
+else
+  skip_step hf_peer "GPU_CHECK_PEER=0"
+fi
+
+"$py" - "$steps" "$out_dir/gpu_check.json" <<'PY'
+import json, sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+steps = [{"step": n, "status": s, "seconds": int(t), "detail": d} for n, s, t, d in rows]
+json.dump({"steps": steps}, open(sys.argv[2], "w"), indent=1)
+for s in steps:
+    print(f"{s['step']:>14}: {s['status']} ({s['seconds']} s) {s['detail']}")
+PY
+echo "total ${SECONDS}s; results in $out_dir"
+exit "$failed"
