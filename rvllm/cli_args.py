@@ -35,6 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
     g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes (one per GPU, "
+                        "or per group of CPU cores)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="mp: local worker processes; ray: workers placed on a Ray cluster")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
 
@@ -56,5 +61,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=ns.enable_chunked_prefill,
         seed=ns.seed,
         chat_template=ns.chat_template,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        distributed_executor_backend=ns.distributed_executor_backend,
         show_progress=True,
     )

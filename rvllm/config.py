@@ -70,6 +70,24 @@ class ModelConfig:
         return self.hf_config.get("head_dim") or self.hidden_size // self.num_heads
 
     @property
+    def kv_elements_per_token(self) -> int:
+        """Cache elements one token takes in one layer (the largest layer where they differ):
+        its keys and values, or for multi-head latent attention (DeepSeek-V2) the one
+        compressed latent and rope key."""
+        cfg = self.hf_config
+        if cfg.get("kv_lora_rank"):
+            return cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        # Gemma 4's global layers have their own head size and KV heads: size for the larger.
+        per_layer = [(self.num_kv_heads, self.head_dim)] + [
+            (o.get("num_key_value_heads", self.num_kv_heads), o.get("head_dim", self.head_dim))
+            for o in (cfg.get("per_layer_config") or {}).values()
+        ]
+        if cfg.get("global_head_dim"):
+            per_layer.append((cfg.get("num_global_key_value_heads") or self.num_kv_heads,
+                              cfg["global_head_dim"]))
+        return 2 * max(heads * dim for heads, dim in per_layer)
+
+    @property
     def vocab_size(self) -> int:
         return self.hf_config["vocab_size"]
 
@@ -203,6 +221,8 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     show_progress: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def resolve_model(self) -> str:
         if self.model:

@@ -19,7 +19,7 @@ from rvllm.config import (
     resolve_dtype,
 )
 from rvllm.engine.block_manager import BlockManager
-from rvllm.engine.scheduler import Scheduler
+from rvllm.engine.scheduler import Scheduler, SchedulerOutput
 from rvllm.engine.sequence import Sequence, SequenceStatus
 from rvllm.engine.stop import check_stop
 from rvllm.executor.kv_cache import determine_num_blocks
@@ -71,7 +71,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
         if args.chat_template is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
-        self.model = load_model(self.model_config, self.device, progress=args.show_progress)
         self.cache_config = CacheConfig(
             block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks,
@@ -80,12 +79,18 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.scheduler_config = _scheduler_config(args, self.model_config.max_model_len)
+        # Sized before loading: tensor-parallel workers need the count to start loading too.
         num_blocks = determine_num_blocks(self.model_config, self.cache_config,
                                           self.scheduler_config, self.device)
         self._check_capacity(num_blocks)
+        self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
+        self.model = load_model(self.model_config, self.device, progress=args.show_progress)
         self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
                                       self.model_config.head_dim, dtype)
+        if self.tp_group is not None:
+            self.tp_group.wait_ready()
+            self.runner.tp_group = self.tp_group
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -218,6 +223,11 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return True
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any. The engine cannot step afterwards."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -238,7 +248,7 @@ class LLMEngine:
             metrics = self.requests[s.seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        step_outputs = self.runner.execute(sched)
+        step_outputs = self._execute(sched)
         now = time.time()
         moved: dict[str, Request] = {}
         for out in step_outputs:
@@ -256,6 +266,21 @@ class LLMEngine:
                     self._append_token(out, now)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
+
+    def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        if self.tp_group is None:
+            return self.runner.execute(sched)
+        from rvllm.executor.parallel import WorkerDiedError
+
+        self.tp_group.check_alive()
+        try:
+            return self.runner.execute(sched)
+        except RuntimeError as e:
+            # A collective that fails because a peer vanished is a dead worker.
+            if isinstance(e, WorkerDiedError):
+                raise
+            self.tp_group.check_alive()
+            raise
 
     def _append_token(self, out: SeqStepOutput, now: float) -> None:
         seq = out.seq
@@ -347,6 +372,45 @@ def _visible_text(seq: Sequence) -> str:
         return seq.text
     hold = max(len(s) for s in stops) - 1
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+
+
+def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig, num_blocks: int,
+                           device: torch.device):  # noqa: ANN202 - TensorParallelGroup | None
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+    if tp == 1:
+        from rvllm.distributed import set_tp
+
+        set_tp(0, 1)
+        return None
+    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(
+            f"the model's {heads} attention heads and {kv_heads} KV heads cannot be split "
+            f"over tensor_parallel_size={tp}: heads must divide by it, and KV heads must "
+            "divide by it or it by them."
+        )
+    for key in ("intermediate_size",):
+        size = model_config.hf_config.get(key)
+        if isinstance(size, int) and size % tp:
+            raise ValueError(f"{key}={size} does not divide by tensor_parallel_size={tp}.")
+    if device.type == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} found."
+        )
+    if args.distributed_executor_backend == "ray":
+        from rvllm.executor.ray_executor import RayTensorParallelGroup
+
+        return RayTensorParallelGroup(args, tp, num_blocks, device)
+    if args.distributed_executor_backend != "mp":
+        raise ValueError(
+            f"distributed_executor_backend must be mp or ray, got "
+            f"{args.distributed_executor_backend!r}."
+        )
+    from rvllm.executor.parallel import TensorParallelGroup
+
+    return TensorParallelGroup(args, tp, num_blocks, device)
 
 
 def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:

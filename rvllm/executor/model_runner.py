@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.tp_group = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype) -> None:
@@ -41,6 +42,15 @@ class ModelRunner:
         # were written, since padding in the decode gather repeats a real slot.
         shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
         for attn in self.model.attention_layers():
+            # A layer may ask for its own per-token entries (MLA caches one latent).
+            entries = getattr(attn, "cache_entry_shapes", None)
+            if entries is not None:
+                attn.kv_cache = tuple(
+                    torch.empty((num_blocks, self.block_size, *entry), dtype=dtype,
+                                device=self.device)
+                    for entry in entries
+                )
+                continue
             attn.kv_cache = (
                 torch.empty(shape, dtype=dtype, device=self.device),
                 torch.empty(shape, dtype=dtype, device=self.device),
@@ -52,9 +62,17 @@ class ModelRunner:
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, metadata = self._prepare(decodes, prefills)
+        plan = _plan_logits(ordered)
+        logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
+        if self.tp_group is not None:
+            from rvllm.executor.parallel import StepInputs, send_step
+
+            send_step(StepInputs(input_ids, positions, metadata, logit_rows))
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
-        return self._sample(ordered, hidden)
+            # One LM-head call for every row that needs logits (all ranks join it).
+            logits = self.model.compute_logits(hidden[logit_rows]).float() if plan.rows else None
+        return self._sample(ordered, plan, logits)
 
     def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -109,46 +127,67 @@ class ModelRunner:
         slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
         return slots.to(self.device), seq_lens.to(self.device)
 
-    def _sample(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> list[SeqStepOutput]:
+    def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
+                logits: torch.Tensor | None) -> list[SeqStepOutput]:
         outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
-        sample_rows: list[int] = []  # flat row of the last token of each sampling sequence
-        sampling: list[SeqStepOutput] = []
-        prompt_rows: list[tuple[SeqStepOutput, list[int], list[int]]] = []
-        start = 0
-        for s, out in zip(ordered, outputs):
-            seq, n = s.seq, s.num_new_tokens
-            if seq.wants_prompt_logprobs:
-                # Position p predicts prompt token p + 1; after a preemption the
-                # positions already collected are skipped.
-                ctx = seq.num_computed_tokens
-                first = max(ctx, len(seq.prompt_logprobs) - 1)
-                last = min(ctx + n, seq.num_prompt_tokens - 1)
-                if last > first:
-                    rows = list(range(start + first - ctx, start + last - ctx))
-                    prompt_rows.append((out, rows, seq.token_ids[first + 1:last + 1]))
-            if s.samples:
-                sample_rows.append(start + n - 1)
-                sampling.append(out)
-            start += n
-        for out, rows, next_ids in prompt_rows:
-            logits = self.model.compute_logits(hidden[rows]).float()
+        for i, (first, count, next_ids) in plan.prompt.items():
+            out = outputs[i]
             k = out.seq.params.prompt_logprobs or 0
+            assert logits is not None
             out.prompt_logprobs = compute_prompt_logprobs(
-                logits, torch.tensor(next_ids, device=logits.device), k
+                logits[first:first + count], torch.tensor(next_ids, device=logits.device), k
             )
             out.prompt_next_ids = next_ids
-        if sampling:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()
+        if plan.sampling:
+            assert logits is not None
+            sampling = [outputs[i] for i in plan.sampling]
             rows = [
                 SamplingRow(o.seq.params, o.seq.prompt_token_ids, o.seq.output_token_ids,
                             o.seq.generator)
                 for o in sampling
             ]
-            result = self.sampler(logits, rows)
-            for i, o in enumerate(sampling):
-                o.token_id = result.sampled_token_ids[i]
-                o.logprob = result.sampled_logprobs[i]
+            result = self.sampler(logits[plan.sample_offset:], rows)
+            for j, o in enumerate(sampling):
+                o.token_id = result.sampled_token_ids[j]
+                o.logprob = result.sampled_logprobs[j]
                 if result.top_logprob_ids is not None:
-                    o.top_ids = result.top_logprob_ids[i]
-                    o.top_logprobs = result.top_logprobs[i]
+                    o.top_ids = result.top_logprob_ids[j]
+                    o.top_logprobs = result.top_logprobs[j]
         return outputs
+
+
+@dataclass(slots=True)
+class _LogitsPlan:
+    """Which hidden rows need logits: prompt-logprob rows first, then one row per
+    sampling sequence (its last token)."""
+
+    rows: list[int] = field(default_factory=list)
+    # index in `ordered` -> (first logits row, row count, actual next prompt tokens)
+    prompt: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
+    sampling: list[int] = field(default_factory=list)  # indices in `ordered`
+    sample_offset: int = 0
+
+
+def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
+    plan = _LogitsPlan()
+    sample_rows: list[int] = []
+    start = 0
+    for i, s in enumerate(ordered):
+        seq, n = s.seq, s.num_new_tokens
+        if seq.wants_prompt_logprobs:
+            # Position p predicts prompt token p + 1; after a preemption the
+            # positions already collected are skipped.
+            ctx = seq.num_computed_tokens
+            first = max(ctx, len(seq.prompt_logprobs) - 1)  # type: ignore[arg-type]
+            last = min(ctx + n, seq.num_prompt_tokens - 1)
+            if last > first:
+                plan.prompt[i] = (len(plan.rows), last - first,
+                                  seq.token_ids[first + 1:last + 1])
+                plan.rows.extend(range(start + first - ctx, start + last - ctx))
+        if s.samples:
+            sample_rows.append(start + n - 1)
+            plan.sampling.append(i)
+        start += n
+    plan.sample_offset = len(plan.rows)
+    plan.rows.extend(sample_rows)
+    return plan

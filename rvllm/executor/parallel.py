@@ -1,0 +1,209 @@
+"""Tensor parallelism: rank 0 runs the engine, ranks 1..N-1 run the same forward passes.
+
+Each rank holds its shard of every layer (the layers are tensor-parallel aware)
+and its share of the KV heads. Every step, rank 0 broadcasts the flattened
+inputs as two int64 tensors (a fixed header, then one packed payload), never a
+pickle of Python objects; all ranks run the forward pass, whose collectives
+(all-reduce after row-parallel layers, all-gather of the logits) come from
+torch.distributed. Sampling happens once, on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rvllm.forward_context import AttentionMetadata, PrefillSeq
+
+logger = logging.getLogger("rvllm")
+
+# num_tokens, num_decodes, decode_max_len, num_prefills, payload_len, stop
+HEADER_LEN = 6
+_STOP = 1
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot take another step."""
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float = 600.0) -> None:
+    """Join the process group (NCCL on GPUs, gloo on CPUs) and record this rank's place."""
+    from rvllm.distributed import set_tp
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    set_tp(rank, world_size)
+
+
+def threads_per_rank(world_size: int) -> int:
+    """On the CPU each rank gets its own group of cores."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+# ------------------------------------------------------------------ the step wire
+
+
+def send_step(step: StepInputs) -> None:
+    """Rank 0: broadcast one step's inputs to every other rank."""
+    md = step.metadata
+    nd = md.num_decode_tokens
+    max_len = md.decode_slots.shape[1] if md.decode_slots is not None else 0
+    parts = [step.input_ids, step.positions, md.slot_mapping]
+    if nd:
+        parts += [md.decode_slots.reshape(-1), md.decode_seq_lens]  # type: ignore[union-attr]
+    if md.prefills:
+        parts.append(torch.tensor([[p.token_start, p.num_tokens, p.context_len]
+                                   for p in md.prefills]).reshape(-1))
+        parts += [p.slots for p in md.prefills]
+    parts.append(step.logit_rows)
+    payload = torch.cat([p.to("cpu", torch.long).reshape(-1) for p in parts])
+    header = torch.tensor([step.input_ids.numel(), nd, max_len, len(md.prefills),
+                           payload.numel(), 0], dtype=torch.long)
+    _broadcast(header)
+    _broadcast(payload)
+
+
+def send_stop() -> None:
+    header = torch.zeros(HEADER_LEN, dtype=torch.long)
+    header[5] = _STOP
+    _broadcast(header)
+
+
+def recv_step(device: torch.device) -> StepInputs | None:
+    """Ranks 1..N-1: the next step's inputs, or None when rank 0 says stop."""
+    header = torch.empty(HEADER_LEN, dtype=torch.long)
+    _broadcast(header)
+    t, nd, max_len, num_prefills, payload_len, stop = header.tolist()
+    if stop == _STOP:
+        return None
+    payload = torch.empty(payload_len, dtype=torch.long)
+    _broadcast(payload)
+    sizes = [t, t, t, nd * max_len, nd, num_prefills * 3]
+    fixed = sum(sizes)
+    input_ids, positions, slot_mapping, dslots, dlens, table = torch.split(
+        payload[:fixed], sizes)
+    rest = payload[fixed:]
+    prefills = []
+    for start, n, ctx in table.view(-1, 3).tolist():
+        prefills.append(PrefillSeq(start, n, ctx, rest[: ctx + n].to(device)))
+        rest = rest[ctx + n:]
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        num_decode_tokens=nd,
+        decode_slots=dslots.view(nd, max_len).to(device) if nd else None,
+        decode_seq_lens=dlens.to(device) if nd else None,
+        prefills=prefills,
+    )
+    return StepInputs(input_ids.to(device), positions.to(device), metadata, rest.to(device))
+
+
+def _broadcast(t: torch.Tensor) -> None:
+    try:
+        dist.broadcast(t, src=0)
+    except RuntimeError as e:
+        raise WorkerDiedError(f"tensor-parallel broadcast failed: {e}") from e
+
+
+# ------------------------------------------------------------------- workers
+
+
+def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
+                num_blocks: int) -> None:
+    """Entry point of ranks 1..N-1 (a spawned process)."""
+    from rvllm.config import ModelConfig, resolve_device, resolve_dtype
+    from rvllm.executor.model_runner import ModelRunner
+    from rvllm.forward_context import set_forward_context
+    from rvllm.models.loader import load_model
+
+    device = resolve_device(engine_args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads_per_rank(world_size))
+    init_distributed(rank, world_size, init_method, device)
+    dtype = resolve_dtype(engine_args.dtype, device)
+    config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
+    model = load_model(config, device)
+    runner = ModelRunner(model, engine_args.block_size, device)
+    runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, dtype)
+    dist.barrier()
+    with torch.inference_mode():
+        while (step := recv_step(device)) is not None:
+            with set_forward_context(step.metadata):
+                hidden = model(step.input_ids, step.positions)
+                if step.logit_rows.numel():
+                    model.compute_logits(hidden[step.logit_rows])
+    dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on its worker processes (the ``mp`` backend)."""
+
+    def __init__(self, engine_args: Any, world_size: int, num_blocks: int,
+                 device: torch.device) -> None:
+        import torch.multiprocessing as mp
+
+        self.world_size = world_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=worker_main, daemon=True, name=f"rvllm-tp{rank}",
+                        args=(rank, world_size, init_method, engine_args, num_blocks))
+            for rank in range(1, world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        torch.set_num_threads(threads_per_rank(world_size))
+        init_distributed(0, world_size, init_method, device)
+        self.stopped = False
+
+    def wait_ready(self) -> None:
+        """Returns once every rank has loaded its shard and allocated its cache."""
+        dist.barrier()
+
+    def check_alive(self) -> None:
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died.")
+
+    def shutdown(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                send_stop()
+        except WorkerDiedError:
+            pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from rvllm.distributed import set_tp
+
+        set_tp(0, 1)

@@ -1,0 +1,67 @@
+"""Tensor parallelism on the CPU (gloo): the same tokens as one process."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_engine import make_prompts
+
+from rvllm import LLM, SamplingParams
+from rvllm.executor.parallel import WorkerDiedError
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(make_prompts(), PARAMS)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_tp2_matches_tp1(model_dirs: dict[str, Path], arch: str) -> None:
+    expected = run(LLM(str(model_dirs[arch])))
+    llm = LLM(str(model_dirs[arch]), tensor_parallel_size=2)
+    try:
+        assert run(llm) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tp2_with_chunked_prefill_and_preemption(llama_dir: Path) -> None:
+    kwargs = dict(num_gpu_blocks=16, max_model_len=128, block_size=8, max_num_batched_tokens=24)
+    expected = run(LLM(str(llama_dir), **kwargs))
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, **kwargs)
+    try:
+        assert run(llm) == expected
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_killed_worker_fails_the_step_quickly(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        engine.add_request(None, make_prompts(lens=(20,))[0],
+                           SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.tp_group.procs[0].kill()
+        engine.tp_group.procs[0].join(5)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="died"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        engine.shutdown()
+
+
+def test_heads_that_do_not_divide_are_refused(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cannot be split over tensor_parallel_size=3"):
+        LLM(str(llama_dir), tensor_parallel_size=3)
+
+
+def test_unknown_backend_is_refused(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="mp or ray"):
+        LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="foo")
