@@ -65,3 +65,55 @@ def test_heads_that_do_not_divide_are_refused(llama_dir: Path) -> None:
 def test_unknown_backend_is_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="mp or ray"):
         LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="foo")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster, started by rvllm's ray backend inside the test.
+
+    Ray's single-machine mode keeps every Ray address on loopback (127.0.0.1)."""
+    import os
+
+    pytest.importorskip("ray")
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ADDRESS": None}
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_tp2_on_ray_matches_tp1(llama_dir: Path, ray_cluster: None) -> None:
+    expected = run(LLM(str(llama_dir)))
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert run(llm) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_killed_ray_worker_fails_the_step(llama_dir: Path, ray_cluster: None) -> None:
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, distributed_executor_backend="ray")
+    engine = llm.engine
+    try:
+        engine.add_request(None, [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.tp_group.kill_worker(0)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError):
+            for _ in range(100):
+                engine.step()
+                time.sleep(0.05)
+        assert time.monotonic() - start < 15
+    finally:
+        engine.shutdown()
