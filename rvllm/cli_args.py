@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
     g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (for benchmarks)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts and outputs are token ids")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes (one per GPU, "
                         "or per group of CPU cores)")
@@ -61,6 +65,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=ns.enable_chunked_prefill,
         seed=ns.seed,
         chat_template=ns.chat_template,
+        load_format=ns.load_format,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         show_progress=True,

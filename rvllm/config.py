@@ -221,6 +221,8 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     show_progress: bool = False
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights)
+    skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 

@@ -278,3 +278,17 @@ def test_missing_weights_are_named(llama_dir: Path, tmp_path: Path) -> None:
             shutil.copy(f, tmp_path / f.name)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         LLM(str(tmp_path))
+
+
+def test_dummy_weights_and_token_ids_only(tmp_path: Path, llama_dir: Path) -> None:
+    import shutil
+
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["text needs a tokenizer"])
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate([[5]], SamplingParams(stop=["x"]))

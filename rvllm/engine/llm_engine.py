@@ -68,8 +68,10 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device)
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
-        self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
-        if args.chat_template is not None:
+        self.tokenizer: Tokenizer | None = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
+        if args.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.cache_config = CacheConfig(
             block_size=args.block_size,
@@ -84,7 +86,8 @@ class LLMEngine:
                                           self.scheduler_config, self.device)
         self._check_capacity(num_blocks)
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
-        self.model = load_model(self.model_config, self.device, progress=args.show_progress)
+        self.model = load_model(self.model_config, self.device, progress=args.show_progress,
+                                load_format=args.load_format)
         self.runner = ModelRunner(self.model, args.block_size, self.device)
         self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
                                       self.model_config.head_dim, dtype)
@@ -94,9 +97,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+        self.eos_token_ids = frozenset(
             _as_list(self.model_config.generation_config.get("eos_token_id"))
+            or _as_list(self.model_config.hf_config.get("eos_token_id"))
         )
+        if self.tokenizer is not None:
+            self.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -135,6 +141,9 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine was started "
+                                 "with skip_tokenizer_init: send token ids.")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -205,7 +214,10 @@ class LLMEngine:
             # Sample i of a seeded request draws from seed + i, so n samples differ.
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         detok = None
-        if params.detokenize:
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set); "
+                             "use stop_token_ids.")
+        if params.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -319,7 +331,9 @@ class LLMEngine:
         # The chosen token first, as vLLM orders it.
         return {token: entry[token], **{k: v for k, v in entry.items() if k != token}}
 
-    def _decode_one(self, token_id: int) -> str:
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _add_prompt_logprobs(self, out: SeqStepOutput) -> None:

@@ -49,7 +49,20 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
     bar.close()
 
 
-def load_model(config: ModelConfig, device: torch.device, progress: bool = False) -> nn.Module:
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights from the config alone, for benchmarking shapes whose weights
+    cannot be had: small normal values, norms at one (so activations stay sane)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+            param.data.copy_(values.to(param.dtype))
+
+
+def load_model(config: ModelConfig, device: torch.device, progress: bool = False,
+               load_format: str = "auto") -> nn.Module:
     """Instantiate the registered class for ``config`` and load its weights."""
     start = time.perf_counter()
     cls = get_model_class(config.architecture)
@@ -59,6 +72,11 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
             model = cls(config.hf_config, config.max_model_len)
     finally:
         torch.set_default_dtype(torch.float32)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        model.eval()
+        model.load_seconds = time.perf_counter() - start
+        return model
     if config.gguf_file is not None:
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
