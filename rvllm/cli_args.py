@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
     g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
+    g.add_argument("--num-cpu-blocks", type=int, default=0,
+                   help="CPU swap space in KV blocks (preempted requests swap out to it)")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None,
+                   help="what preemption does (default: swap when --num-cpu-blocks is set)")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
@@ -65,6 +69,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         enable_chunked_prefill=ns.enable_chunked_prefill,
         seed=ns.seed,
         chat_template=ns.chat_template,
+        num_cpu_blocks=ns.num_cpu_blocks,
+        preemption_mode=ns.preemption_mode,
         load_format=ns.load_format,
         skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,

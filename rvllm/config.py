@@ -221,6 +221,8 @@ class EngineArgs:
     seed: int = 0
     chat_template: str | None = None
     show_progress: bool = False
+    num_cpu_blocks: int = 0  # CPU swap space, in blocks
+    preemption_mode: str | None = None  # recompute | swap (default: swap when swap space exists)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights)
     skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1

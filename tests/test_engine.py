@@ -292,3 +292,18 @@ def test_dummy_weights_and_token_ids_only(tmp_path: Path, llama_dir: Path) -> No
         llm.generate(["text needs a tokenizer"])
     with pytest.raises(ValueError, match="stop strings"):
         llm.generate([[5]], SamplingParams(stop=["x"]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_swap_preemption_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]), num_gpu_blocks=16, max_model_len=128, block_size=8,
+              num_cpu_blocks=64, max_num_batched_tokens=24)
+    assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
+    bm = llm.engine.block_manager
+    assert llm.engine.scheduler.num_swap_outs > 0
+    assert bm.num_free_blocks == 16 and len(bm.cpu_free) == 64
+
+
+def test_swap_needs_swap_space(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="num-cpu-blocks"):
+        LLM(str(llama_dir), preemption_mode="swap")

@@ -24,8 +24,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_cpu_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -135,3 +138,34 @@ class BlockManager:
     def _hash(self, parent: int | None, token_ids: list[int], i: int) -> int:
         bs = self.block_size
         return hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+
+    # ------------------------------------------------------------------ swapping
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.cpu_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to CPU swap space; returns (device, cpu) block pairs to copy
+        before anything reuses the device blocks."""
+        pairs = [(b, self.cpu_free.pop()) for b in seq.block_table]
+        hashes = seq.block_hashes
+        self.free(seq)
+        seq.block_hashes = hashes  # the tokens, and so the hashes, are unchanged
+        seq.cpu_block_table = [cpu for _, cpu in pairs]
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for its blocks plus those the resumed step's new tokens need."""
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(total, len(seq.cpu_block_table)) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring ``seq`` back onto fresh device blocks; returns (cpu, device) pairs to copy."""
+        pairs = [(cpu, self._take_free_block()) for cpu in seq.cpu_block_table]
+        seq.block_table = [dev for _, dev in pairs]
+        self.free_cpu(seq)
+        return pairs
+
+    def free_cpu(self, seq: Sequence) -> None:
+        self.cpu_free.extend(reversed(seq.cpu_block_table))
+        seq.cpu_block_table = []

@@ -94,8 +94,12 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.wait_ready()
             self.runner.tp_group = self.tp_group
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        mode = _preemption_mode(args)
+        if mode == "swap":
+            self.runner.allocate_swap_space(args.num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                          num_cpu_blocks=args.num_cpu_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, mode)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(
             _as_list(self.model_config.generation_config.get("eos_token_id"))
@@ -386,6 +390,20 @@ def _visible_text(seq: Sequence) -> str:
         return seq.text
     hold = max(len(s) for s in stops) - 1
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+
+
+def _preemption_mode(args: EngineArgs) -> str:
+    if args.num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks must be >= 0, got {args.num_cpu_blocks}.")
+    mode = args.preemption_mode or ("swap" if args.num_cpu_blocks else "recompute")
+    if mode not in ("swap", "recompute"):
+        raise ValueError(f"preemption_mode must be swap or recompute, got {mode!r}.")
+    if mode == "swap" and not args.num_cpu_blocks:
+        raise ValueError("preemption_mode=swap needs CPU swap space: set --num-cpu-blocks.")
+    if mode == "swap" and args.tensor_parallel_size > 1:
+        raise ValueError("preemption_mode=swap is not supported with tensor parallelism yet; "
+                         "use --preemption-mode recompute.")
+    return mode
 
 
 def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig, num_blocks: int,

@@ -34,6 +34,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -45,18 +47,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 preemption_mode: str = "recompute") -> None:
         self.config = config
         self.block_manager = block_manager
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_swap_outs = 0
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -70,7 +76,9 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(budget, out)
+            budget = self._swap_in(budget, out)
+            if not self.swapped:
+                self._admit_waiting(budget, out)
         return out
 
     def _fit_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
@@ -83,11 +91,36 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        bm = self.block_manager
+        if self.preemption_mode == "swap" and bm.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(bm.swap_out(seq))
+            self.num_swap_outs += 1
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        bm.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        self.num_preemptions += 1
+
+    def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
+        """Resume swapped sequences, oldest first; they go before any new request."""
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            if not bm.allocate_slots(seq, n):  # cannot fail: can_swap_in counted these
+                raise RuntimeError("swap-in could not place the resumed tokens")
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -115,9 +148,12 @@ class Scheduler:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         else:
             try:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
         self.block_manager.free(seq)
+        self.block_manager.free_cpu(seq)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its KV blocks copied out to CPU swap space
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -60,6 +61,7 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     text: str = ""

@@ -35,12 +35,12 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.tp_group = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
+        self.swap_space: list[tuple[torch.Tensor, ...]] = []
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
                           dtype: torch.dtype) -> None:
         # Left uninitialised (fast to allocate): attention only ever gathers slots that
         # were written, since padding in the decode gather repeats a real slot.
-        shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
         for attn in self.model.attention_layers():
             # A layer may ask for its own per-token entries (MLA caches one latent).
             entries = getattr(attn, "cache_entry_shapes", None)
@@ -51,13 +51,44 @@ class ModelRunner:
                     for entry in entries
                 )
                 continue
+            # This rank's share of the KV heads (all of them without tensor parallelism).
+            local = (num_blocks, self.block_size,
+                     getattr(attn, "num_kv_heads", num_kv_heads),
+                     getattr(attn, "head_dim", head_dim))
             attn.kv_cache = (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(local, dtype=dtype, device=self.device),
+                torch.empty(local, dtype=dtype, device=self.device),
             )
+
+    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
+        """A CPU copy of each layer's cache layout, for swap preemption."""
+        pin = self.device.type == "cuda"
+        self.swap_space = [
+            tuple(torch.empty((num_cpu_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                  for t in attn.kv_cache)
+            for attn in self.model.attention_layers()
+        ]
+
+    def swap(self, blocks_to_swap_out: list[tuple[int, int]],
+             blocks_to_swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted blocks out before any reuse, then resumed ones back in."""
+        if blocks_to_swap_out:
+            dev = torch.tensor([d for d, _ in blocks_to_swap_out], device=self.device)
+            cpu = torch.tensor([c for _, c in blocks_to_swap_out])
+            for attn, host in zip(self.model.attention_layers(), self.swap_space):
+                for src, dst in zip(attn.kv_cache, host):
+                    dst.index_copy_(0, cpu, src.index_select(0, dev).cpu())
+        if blocks_to_swap_in:
+            cpu = torch.tensor([c for c, _ in blocks_to_swap_in])
+            dev = torch.tensor([d for _, d in blocks_to_swap_in], device=self.device)
+            for attn, host in zip(self.model.attention_layers(), self.swap_space):
+                for src, dst in zip(host, attn.kv_cache):
+                    dst.index_copy_(0, dev, src.index_select(0, cpu).to(self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            self.swap(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
