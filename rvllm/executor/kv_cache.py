@@ -8,9 +8,9 @@ from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    """Keys and values of every layer for one block of tokens."""
+    """Keys and values (or MLA latents) of every layer for one block of tokens."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    return model.num_layers * block_size * model.kv_elements_per_token * elem
 
 
 def determine_num_blocks(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,

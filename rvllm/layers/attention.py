@@ -5,6 +5,9 @@ Each layer owns a (key_cache, value_cache) pair of shape
 written through ``slot_mapping``; queries then read their whole context back
 through the per-step gather indices in the forward context. GPU kernels can
 replace ``forward`` behind the same interface.
+
+``logits_soft_cap`` (Gemma 2) squashes scores as cap * tanh(score / cap) before the
+softmax; SDPA cannot do that, so those layers take an explicit matmul-softmax path.
 """
 
 from __future__ import annotations
@@ -18,23 +21,28 @@ from rvllm.forward_context import get_forward_context
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None
+                 ) -> None:
         super().__init__()
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq * D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+                ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq * D]. A layer reading the KV an
+        earlier layer wrote this step (Gemma 4's KV sharing) passes k = v = None."""
         ctx = get_forward_context()
         assert self.kv_cache is not None, "KV cache not bound to this layer"
         key_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         value_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        key_flat.index_copy_(0, ctx.slot_mapping, k)
-        value_flat.index_copy_(0, ctx.slot_mapping, v)
+        if k is not None and v is not None:
+            key_flat.index_copy_(0, ctx.slot_mapping, k)
+            value_flat.index_copy_(0, ctx.slot_mapping, v)
 
         out = torch.empty_like(q)
         nd = ctx.num_decode_tokens
@@ -44,7 +52,7 @@ class Attention(nn.Module):
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             mask = p.mask(self.sliding_window)
-            if mask is None:
+            if mask is None and k is not None and v is not None:
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = key_flat[p.slots], value_flat[p.slots]
@@ -55,20 +63,26 @@ class Attention(nn.Module):
                 slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         keys = key_flat[slots].transpose(1, 2)  # [B, Hk, L, D]
         values = value_flat[slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.squeeze(2)
+        return self._attend(q.unsqueeze(2), keys, values, mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        out = self._attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                           values.transpose(0, 1).unsqueeze(0), mask)
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q: [B, Hq, Lq, D]; k, v: [B, Hk, Lk, D]; ``mask`` None means causal, Lq == Lk."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        if mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

@@ -27,3 +27,13 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = residual + x
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma stores ``w`` and scales by ``1 + w``, multiplying in float32 before the cast
+    back (Llama casts first, then scales)."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -5,9 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("rvllm.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "GemmaForCausalLM": ("rvllm.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("rvllm.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("rvllm.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("rvllm.models.gemma4", "Gemma4ForCausalLM"),
     "LlamaForCausalLM": ("rvllm.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("rvllm.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("rvllm.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("rvllm.models.mixtral", "MixtralForCausalLM"),
+    "PhiForCausalLM": ("rvllm.models.phi", "PhiForCausalLM"),
+    "Phi3ForCausalLM": ("rvllm.models.phi3", "Phi3ForCausalLM"),
+    "Qwen3ForCausalLM": ("rvllm.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("rvllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,167 @@
+"""What every decoder-only family beyond Llama shares: per-layer attention windows, the
+checkpoint-to-parameter copy, and the causal-LM wrapper around a decoder stack (with
+expert-weight loading for the mixtures of experts)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from rvllm.layers.attention import Attention
+from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from rvllm.layers.moe import route_expert_weights
+from rvllm.layers.norm import RMSNorm
+
+# (our fused parameter's name piece, the checkpoint's name piece, shard id)
+StackedParams = Sequence[tuple[str, str, int | str]]
+
+QKV_GATE_UP: StackedParams = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+def layer_types(cfg: dict[str, Any], sliding_every: int | None = None) -> list[str]:
+    """``layer_types`` as transformers 5 writes it; older configs only give a pattern in
+    which every ``sliding_every``-th layer is global and the rest slide."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])[:n]
+    pattern = cfg.get("sliding_window_pattern") or sliding_every
+    if not cfg.get("sliding_window") or not pattern:
+        return ["full_attention"] * n
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+
+
+def layer_window(cfg: dict[str, Any], layer_type: str) -> int | None:
+    window = cfg.get("sliding_window")
+    return int(window) if window and layer_type == "sliding_attention" else None
+
+
+def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                stacked: StackedParams = QKV_GATE_UP, tied: bool = False) -> set[str]:
+    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, folding the
+    ``stacked`` names into fused projections; returns the names of the parameters filled."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for fused, original, shard_id in stacked:
+            if original in name:
+                target, shard = name.replace(original, fused), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name} has no place in the model")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if tensor.shape != param.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        elif shard is None:
+            loader(param, tensor.to(param.dtype))
+        else:
+            loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target)
+    if tied:
+        loaded.add("lm_head.weight")
+    return loaded
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Llama's block: x + attn(norm(x)), then x + mlp(norm(x)), with the residual add fused
+    into the next norm."""
+
+    def __init__(self, cfg: dict[str, Any], self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers, and the final RMSNorm."""
+
+    def __init__(self, cfg: dict[str, Any], layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """A decoder stack (``self.model``: embed_tokens, layers[i].self_attn.attn, norm) under an
+    LM head. ``forward`` returns hidden states for every new token; logits only where asked."""
+
+    stacked_params: StackedParams = QKV_GATE_UP
+
+    def __init__(self, cfg: dict[str, Any], model: nn.Module) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        if self.tied:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_params(self, weights, self.stacked_params, self.tied)
+
+
+def num_routed_experts(cfg: dict[str, Any]) -> int:
+    """The expert count under any of its names (transformers 5 writes num_local_experts)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
+class MoECausalLM(CausalLM):
+    """Loads per-expert checkpoint tensors into the stacked expert weights."""
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(weights)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        rest = route_expert_weights(params, self._renamed(weights), loaded)
+        return loaded | load_params(self, rest, self.stacked_params, self.tied)
