@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,20 +66,22 @@ class AttentionMetadata:
         return self._decode_masks[window]
 
 
-_CONTEXT: AttentionMetadata | None = None
+# Per thread: data-parallel replicas run their step loops side by side in one process.
+_LOCAL = threading.local()
 
 
 @contextmanager
 def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
-    global _CONTEXT
-    previous, _CONTEXT = _CONTEXT, metadata
+    previous = getattr(_LOCAL, "context", None)
+    _LOCAL.context = metadata
     try:
         yield
     finally:
-        _CONTEXT = previous
+        _LOCAL.context = previous
 
 
 def get_forward_context() -> AttentionMetadata:
-    if _CONTEXT is None:
+    context = getattr(_LOCAL, "context", None)
+    if context is None:
         raise RuntimeError("attention ran outside set_forward_context().")
-    return _CONTEXT
+    return context
