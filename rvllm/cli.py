@@ -1,4 +1,4 @@
-"""The ``rvllm`` command: serve | generate | chat."""
+"""The ``rvllm`` command: serve | generate | chat | benchmark | bench."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     from rvllm.server.app import add_serve_args
 
     add_serve_args(serve)
+
+    from rvllm.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)
     return parser
 
 
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from rvllm.chat import run_chat
 
             return run_chat(args)
+        if args.command in ("benchmark", "bench"):
+            from rvllm.bench.cli import run_bench_command
+
+            return run_bench_command(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"rvllm: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,277 @@
+"""``rvllm bench serve``: load an OpenAI-compatible server and measure what clients see.
+
+Requests arrive as a Poisson process at ``--request-rate`` (all at once by default), at
+most ``--max-concurrency`` in flight, each streamed so TTFT is the arrival of the first
+token. Reports vLLM's metric names: request and output-token throughput and the
+mean/median/p90/p95/p99 of TTFT, TPOT, ITL and E2EL. Works against rvllm, vLLM and
+llama.cpp's ``llama-server`` alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rvllm.bench import http_client
+from rvllm.bench.report import format_table, machine_info, write_json
+from rvllm.bench.stats import RequestTiming, serve_metrics
+
+FIXED_PROMPT = ("The history of computing is a story of machines that learned to follow "
+                "instructions faster than the people who wrote them. ")
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    """One request of the workload: a text prompt or token ids, and its output length."""
+
+    prompt: str | list[int]
+    prompt_len: int  # tokens when known exactly (token ids), else an estimate
+    output_len: int
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server root (the /v1 routes are below it)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--model", default=None,
+                        help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight (default: no limit)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second, Poisson arrivals (default inf: all at once)")
+    parser.add_argument("--dataset", default="random",
+                        help="random, fixed, or a .jsonl file of {\"prompt\": ..., "
+                             "\"output_len\": ...} lines")
+    parser.add_argument("--random-input-len", type=int, default=128)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    parser.add_argument("--random-vocab-size", type=int, default=32000,
+                        help="random prompt token ids are drawn below this")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="ask the server to generate the full output length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--label", default=None, help="engine name recorded in the JSON")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take before it counts as failed")
+
+
+def _lengths(base: int, ratio: float, count: int, rng: random.Random) -> list[int]:
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}.")
+    lo, hi = max(1, int(base * (1 - ratio))), max(1, int(base * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(count)]
+
+
+def build_dataset(ns: argparse.Namespace) -> list[BenchRequest]:
+    """The workload ``--dataset`` names, reproducible from ``--seed``.
+
+    ``random`` gives token-id prompts (exact lengths; the completions endpoint takes
+    them), or random words for chat. ``fixed`` repeats one English passage.
+    """
+    if ns.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {ns.num_prompts}.")
+    rng = random.Random(ns.seed)
+    count = ns.num_prompts
+    if ns.dataset not in ("random", "fixed"):
+        return _jsonl_dataset(Path(ns.dataset), count, ns.random_output_len)
+    in_lens = _lengths(ns.random_input_len, ns.random_range_ratio, count, rng)
+    out_lens = _lengths(ns.random_output_len, ns.random_range_ratio, count, rng)
+    requests = []
+    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
+        if ns.dataset == "fixed":
+            words = (FIXED_PROMPT * (n_in // 10 + 1)).split()[:n_in]
+            requests.append(BenchRequest(" ".join(words), n_in, n_out))
+        elif ns.endpoint == "chat":
+            words = [f"w{rng.randrange(100000)}" for _ in range(n_in)]
+            requests.append(BenchRequest(f"{i} " + " ".join(words), n_in, n_out))
+        else:
+            low = min(1000, ns.random_vocab_size - 1)
+            ids = [rng.randrange(low, ns.random_vocab_size) for _ in range(n_in)]
+            requests.append(BenchRequest(ids, n_in, n_out))
+    return requests
+
+
+def _jsonl_dataset(path: Path, count: int, default_out: int) -> list[BenchRequest]:
+    if not path.is_file():
+        raise FileNotFoundError(f"--dataset {path}: no such file (or use random / fixed).")
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{lineno}: each line must be a JSON object with "
+                             "a 'prompt'.") from None
+        out_len = int(row.get("output_len", default_out))
+        plen = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+        rows.append(BenchRequest(prompt, plen, out_len))
+    if not rows:
+        raise ValueError(f"{path} holds no prompts.")
+    return [rows[i % len(rows)] for i in range(count)]
+
+
+def arrival_delays(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Gaps before each request: 0 for an infinite rate, else Exponential(rate) draws,
+    which makes the arrivals a Poisson process."""
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be positive, got {rate}.")
+    if math.isinf(rate):
+        return [0.0] * count
+    return [rng.expovariate(rate) for _ in range(count)]
+
+
+def request_payload(ns: argparse.Namespace, model: str, req: BenchRequest) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": model, "max_tokens": req.output_len,
+                               "temperature": 0.0, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if ns.ignore_eos:
+        payload["ignore_eos"] = True
+    if ns.endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        payload["prompt"] = req.prompt
+    return payload
+
+
+def parse_stream_event(data: str, endpoint: str) -> tuple[bool, int | None]:
+    """(whether this event carried output text, the completion_tokens of its usage)."""
+    if data == "[DONE]":
+        return False, None
+    event = json.loads(data)
+    usage = event.get("usage") or {}
+    completion_tokens = usage.get("completion_tokens")
+    has_text = False
+    for choice in event.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") if endpoint == "chat" \
+            else choice.get("text")
+        has_text = has_text or bool(text)
+    return has_text, completion_tokens
+
+
+async def send_request(url: str, payload: dict[str, Any], endpoint: str,
+                       prompt_len: int, timeout: float) -> RequestTiming:
+    """Stream one request and time every output chunk."""
+    timing = RequestTiming(start=time.perf_counter(), prompt_len=prompt_len)
+    usage_tokens = None
+
+    async def consume() -> None:
+        nonlocal usage_tokens
+        async for data in http_client.sse_events(http_client.stream_post(url, payload)):
+            has_text, tokens = parse_stream_event(data, endpoint)
+            if has_text:
+                timing.chunk_times.append(time.perf_counter())
+                timing.chunk_tokens.append(1)
+            if tokens is not None:
+                usage_tokens = tokens
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+        timing.end = time.perf_counter()
+        timing.output_tokens = usage_tokens if usage_tokens is not None \
+            else len(timing.chunk_times)
+        timing.success = bool(timing.chunk_times)
+        if not timing.success:
+            timing.error = "the stream carried no output"
+    except (TimeoutError, OSError, ValueError, http_client.HTTPError) as e:
+        timing.end = time.perf_counter()
+        timing.error = f"{type(e).__name__}: {e}"
+    return timing
+
+
+async def first_model(base_url: str) -> str:
+    status, body = await http_client.get(base_url.rstrip("/") + "/v1/models")
+    if status != 200:
+        raise RuntimeError(f"GET /v1/models answered {status}; pass --model.")
+    return json.loads(body)["data"][0]["id"]
+
+
+async def run_load(ns: argparse.Namespace, requests: list[BenchRequest],
+                   model: str) -> tuple[list[RequestTiming], float]:
+    """Send the workload on its Poisson schedule; (timings in order, wall seconds)."""
+    route = "/v1/chat/completions" if ns.endpoint == "chat" else "/v1/completions"
+    url = ns.base_url.rstrip("/") + route
+    delays = arrival_delays(len(requests), ns.request_rate, random.Random(ns.seed + 1))
+    limit = asyncio.Semaphore(ns.max_concurrency or len(requests))
+
+    async def limited(req: BenchRequest) -> RequestTiming:
+        async with limit:
+            return await send_request(url, request_payload(ns, model, req), ns.endpoint,
+                                      req.prompt_len, ns.timeout)
+
+    start = time.perf_counter()
+    tasks = []
+    for delay, req in zip(delays, requests):
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(req)))
+    timings = await asyncio.gather(*tasks)
+    return list(timings), time.perf_counter() - start
+
+
+def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
+    requests = build_dataset(ns)
+
+    async def go() -> tuple[str, list[RequestTiming], float]:
+        model = ns.model or await first_model(ns.base_url)
+        timings, duration = await run_load(ns, requests, model)
+        return model, timings, duration
+
+    model, timings, duration = asyncio.run(go())
+    errors = sorted({t.error for t in timings if t.error})
+    return {
+        "benchmark": "serve",
+        "engine": ns.label,
+        "base_url": ns.base_url,
+        "model": model,
+        "config": {"endpoint": ns.endpoint, "dataset": ns.dataset,
+                   "num_prompts": ns.num_prompts, "max_concurrency": ns.max_concurrency,
+                   "request_rate": str(ns.request_rate), "random_input_len":
+                   ns.random_input_len, "random_output_len": ns.random_output_len,
+                   "random_range_ratio": ns.random_range_ratio, "ignore_eos": ns.ignore_eos,
+                   "seed": ns.seed},
+        "machine": machine_info(),
+        "metrics": serve_metrics(timings, duration),
+        "errors": errors[:10],
+    }
+
+
+def print_serve_result(result: dict[str, Any]) -> None:
+    m = result["metrics"]
+    print(f"{'Successful requests:':<40}{m['completed']:>10}")
+    print(f"{'Failed requests:':<40}{m['failed']:>10}")
+    print(f"{'Benchmark duration (s):':<40}{m['duration']:>10.2f}")
+    print(f"{'Total input tokens:':<40}{m['total_input_tokens']:>10}")
+    print(f"{'Total generated tokens:':<40}{m['total_output_tokens']:>10}")
+    print(f"{'Request throughput (req/s):':<40}{m['request_throughput']:>10.2f}")
+    print(f"{'Output token throughput (tok/s):':<40}{m['output_throughput']:>10.2f}")
+    print(f"{'Total token throughput (tok/s):':<40}{m['total_token_throughput']:>10.2f}")
+    rows = []
+    for key, name in [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")]:
+        rows.append({"metric": f"{name} (ms)", **{s: m[f"{s}_{key}_ms"] for s in
+                                                  ("mean", "median", "p90", "p95", "p99")}})
+    print(format_table(rows, [("metric", "metric"), ("mean", "mean"), ("median", "median"),
+                              ("p90", "p90"), ("p95", "p95"), ("p99", "p99")]))
+    for err in result.get("errors") or []:
+        print(f"error: {err}", file=sys.stderr)
+
+
+def main(ns: argparse.Namespace) -> int:
+    result = run_serve_bench(ns)
+    print_serve_result(result)
+    if ns.json:
+        write_json(ns.json, result)
+        print(f"wrote {ns.json}")
+    return 0 if result["metrics"]["completed"] else 1
