@@ -6,21 +6,24 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads on first use, so `rvllm --help` stays fast
+    import torch
 
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when present, else the CPU."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -28,13 +31,15 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """``auto`` is float32 on the CPU (no fast bf16 there) and bfloat16 on a GPU."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}.")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 @dataclass(slots=True)
