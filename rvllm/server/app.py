@@ -1,0 +1,182 @@
+"""The OpenAI-compatible HTTP server (``rvllm serve``): FastAPI routes over an AsyncEngine.
+
+Start it with ``rvllm serve --model DIR`` or ``python -m rvllm.server.app --model DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import rvllm
+from rvllm.cli_args import add_engine_args, engine_args_from_namespace
+from rvllm.engine.async_engine import AsyncEngine
+from rvllm.server.errors import APIError, error_body, install_error_handlers
+from rvllm.server.metrics import ServerMetrics
+from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
+from rvllm.server.serving_chat import ChatServing, render_chat_prompt
+from rvllm.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("rvllm")
+
+
+class APIKeyMiddleware:
+    """With ``--api-key``, every /v1 route wants ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = ("Missing API key: send 'Authorization: Bearer <key>'." if not given
+                           else "Incorrect API key provided.")
+                body = error_body(message, 401, None, "invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None) -> FastAPI:
+    """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
+    down with the app."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="rvllm", version=rvllm.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completions = CompletionServing(engine, served_model_name)
+    chat = ChatServing(engine, served_model_name)
+    metrics = ServerMetrics(engine, served_model_name)
+    started = int(time.time())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await request.body(), request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await request.body(), request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": started,
+            "owned_by": "rvllm", "root": engine.model_path, "parent": None,
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError("The engine loop is not running.", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": rvllm.__version__}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = TokenizeRequest.model_validate_json(await request.body())
+        completions.check_model(req.model)
+        tokenizer = engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
+        if req.messages is not None:
+            ids = render_chat_prompt(
+                tokenizer, req.messages,
+                req.add_generation_prompt and not req.continue_final_message,
+                req.continue_final_message, None, None)
+        else:
+            ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        strs = ([tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+                if req.return_token_strs else None)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        req = DetokenizeRequest.model_validate_json(await request.body())
+        completions.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(f"token ids must be in [0, {engine.vocab_size}); got {bad[0]}.",
+                           param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The ``rvllm serve`` flags: server options plus every engine flag, vLLM's names."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name the API answers to (default: the --model argument)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every /v1 route")
+    g.add_argument("--shutdown-timeout", type=float, default=3.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="do not log one line per HTTP request")
+    add_engine_args(parser)
+
+
+def run_server(ns: argparse.Namespace) -> None:
+    """Load the engine, then serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = engine_args_from_namespace(ns)
+    engine = AsyncEngine.from_engine_args(args)
+    name = ns.served_model_name or ns.model or Path(engine.model_path).name
+    app = build_app(engine, name, ns.api_key)
+    config = uvicorn.Config(
+        app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        access_log=not ns.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=ns.shutdown_timeout,  # type: ignore[arg-type]
+    )
+    logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
+        pass
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rvllm serve",
+                                     description="OpenAI-compatible server for an rvllm model.")
+    add_serve_args(parser)
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What the completion and chat endpoints share: model check, queuing a batch of
+requests, waiting for them while watching the client, and Server-Sent Events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, PromptType, RequestStream
+from rvllm.outputs import RequestOutput
+from rvllm.sampling_params import SamplingParams
+from rvllm.server.errors import APIError, bad_request
+
+DONE = "data: [DONE]\n\n"
+# What SamplingParams and the engine name at the start of their messages.
+PARAM_FIELDS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "logit_bias", "prompt",
+})
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf: a token ruled out (logit_bias, top-k) reads as -9999, as in vLLM."""
+    return -9999.0 if math.isnan(value) or value < -9999.0 else value
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ServingBase:
+    """One endpoint's view of the engine."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model",
+                           "model_not_found")
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+    async def add_requests(self, request_id: str, prompts: Sequence[PromptType],
+                           params: SamplingParams, final_only: bool) -> list[RequestStream]:
+        """Queue every prompt at once (one engine drain, not one per prompt); if any is
+        refused, withdraw the others and answer 400."""
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, p, params, final_only) for rid, p in zip(ids, prompts)),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return list(results)  # type: ignore[arg-type]
+        for rid, r in zip(ids, results):
+            if not isinstance(r, BaseException):
+                self.engine.abort(rid)
+        err = errors[0]
+        if isinstance(err, ValueError):
+            raise bad_request(err, PARAM_FIELDS)
+        if isinstance(err, EngineDeadError):
+            raise APIError(str(err), 503)
+        raise err
+
+    def sse_response(self, events: AsyncIterator[str],
+                     streams: list[RequestStream]) -> StreamingResponse:
+        return _SSEResponse(events, lambda: self.abort_unfinished(streams))
+
+    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    async def collect(self, streams: list[RequestStream], request: Request
+                      ) -> list[RequestOutput]:
+        """The finished output of every stream; a client that hangs up aborts them."""
+        gather = asyncio.ensure_future(_final_outputs(streams))
+        watch = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not gather.done():
+                gather.cancel()
+                self.abort_unfinished(streams)
+        if gather.cancelled():
+            raise APIError("The client closed the connection.", 499)
+        try:
+            return gather.result()
+        except EngineDeadError as e:
+            raise APIError(str(e), 503) from e
+
+
+class _SSEResponse(StreamingResponse):
+    """An event stream that aborts its requests however the response ends: a client
+    gone before the first event never starts the generator, so its own cleanup
+    would not run."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        if out.finished:
+            finals[i] = out
+    if any(f is None for f in finals):
+        raise EngineDeadError("the request was aborted.")
+    return finals  # type: ignore[return-value]
+
+
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as each becomes ready."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

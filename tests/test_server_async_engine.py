@@ -1,0 +1,180 @@
+"""AsyncEngine: the step loop on its own thread, streams per request, and failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+
+from rvllm.config import EngineArgs
+from rvllm.engine.async_engine import AsyncEngine, EngineDeadError
+from rvllm.engine.llm_engine import LLMEngine
+from rvllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    eng = AsyncEngine(LLMEngine(EngineArgs(model=str(llama_dir), num_gpu_blocks=64)))
+    yield eng
+    eng.shutdown()
+
+
+async def final_output(engine: AsyncEngine, prompt, params, request_id: str):
+    last = None
+    async for out in engine.generate(prompt, params, request_id):
+        last = out
+    return last
+
+
+def test_generate_streams_to_the_same_result_as_the_engine(engine, llama_dir):
+    async def run():
+        outs = [out async for out in engine.generate("Hello there", GREEDY, "a")]
+        return outs
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert sum(sum(o.new_token_counts) for o in outs) == 12
+    direct = LLMEngine(EngineArgs(model=str(llama_dir), num_gpu_blocks=64))
+    direct.add_request("x", "Hello there", GREEDY)
+    final = None
+    while direct.has_unfinished_requests():
+        final = next((o for o in direct.step() if o.finished), final)
+    assert outs[-1].outputs[0].token_ids == final.outputs[0].token_ids
+
+
+def test_invalid_request_raises_value_error_and_queues_nothing(engine):
+    async def run():
+        with pytest.raises(ValueError, match="maximum context length"):
+            await engine.add_request("too-long", "hi", SamplingParams(max_tokens=10_000))
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("empty", [], GREEDY)
+        await engine.add_request("dup", "hi", GREEDY)
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("dup", "hi", GREEDY)
+        engine.abort("dup")
+
+    asyncio.run(run())
+    assert wait_idle(engine)
+    assert "too-long" not in engine.engine.requests
+
+
+def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.snapshot()
+        if s.num_requests_running == 0 and s.num_free_blocks == s.num_blocks:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_max_tokens_0_finishes_after_prefill_with_prompt_logprobs(engine):
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2, n=2)
+    out = asyncio.run(final_output(engine, "Score this prompt", params, "score"))
+    assert out.finished
+    assert [c.token_ids for c in out.outputs] == [[], []]
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None and all(out.prompt_logprobs[1:])
+    assert wait_idle(engine)
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
+    async def run():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        async for out in engine.generate("Abort me", params, "early"):
+            if sum(len(c.token_ids) for c in out.outputs) >= 3:
+                break
+
+    asyncio.run(run())
+    assert wait_idle(engine)
+    assert not engine.engine.has_unfinished_requests()
+
+
+def test_a_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monkeypatch):
+    runner = engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def run():
+        with pytest.raises(EngineDeadError, match="boom"):
+            await final_output(engine, "Doomed", GREEDY, "doomed")
+        return await final_output(engine, "Hello there", GREEDY, "after")
+
+    after = asyncio.run(run())
+    assert after.finished and len(after.outputs[0].token_ids) == 12
+    assert wait_idle(engine)
+
+
+def test_concurrent_requests_from_two_threads_loops(engine):
+    results: dict[str, int] = {}
+
+    def worker(name: str) -> None:
+        out = asyncio.run(final_output(engine, f"Thread {name}", GREEDY, name))
+        results[name] = len(out.outputs[0].token_ids)
+
+    threads = [threading.Thread(target=worker, args=(f"t{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {f"t{i}": 12 for i in range(4)}
+
+
+def test_slow_consumer_gets_merged_outputs_and_loses_no_tokens(engine):
+    async def run():
+        stream = await engine.add_request("slow", "Slow reader", SamplingParams(
+            max_tokens=20, temperature=0, ignore_eos=True))
+        await asyncio.sleep(0.5)  # the engine runs ahead meanwhile
+        outs = [out async for out in stream]
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(outs) < 20
+    assert sum(o.new_token_counts[0] for o in outs) == 20 == len(outs[-1].outputs[0].token_ids)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_loop_sleeps_instead_of_spinning(engine):
+    assert wait_idle(engine)
+    tid = engine._thread.native_id
+
+    def cpu_ticks() -> int:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    before = cpu_ticks()
+    time.sleep(0.5)
+    assert cpu_ticks() - before <= 1
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests(llama_dir):
+    eng = AsyncEngine(LLMEngine(EngineArgs(model=str(llama_dir), num_gpu_blocks=64)))
+
+    async def run():
+        stream = await eng.add_request("long", "x", SamplingParams(max_tokens=200,
+                                                                   ignore_eos=True))
+        await anext(stream)
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("late", "x", GREEDY)
+
+    asyncio.run(run())
+    assert not eng.is_running
