@@ -162,6 +162,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.step_observers: list[StepObserver] = []
+        # Called on the loop thread when the engine can never step again.
+        self.on_fatal: Callable[[Exception], None] | None = None
         self._cond = threading.Condition()
         self._new: list[_NewRequest] = []
         self._aborts: list[str] = []
@@ -319,6 +321,13 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the %d requests in flight",
                              self.engine.num_unfinished_requests())
             aborted += self._fail_all(EngineDeadError(f"the engine failed a step: {e}"), out)
+            if _is_fatal(e):
+                # A lost tensor-parallel worker cannot come back: take no more requests,
+                # and let the owner (the server) exit.
+                with self._cond:
+                    self._stopping = True
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
             return []
         for o in outputs:
             stream = self._streams.get(o.request_id)
@@ -349,3 +358,9 @@ class AsyncEngine:
             out.add(stream, error)
         self._streams.clear()
         return failed
+
+
+def _is_fatal(error: Exception) -> bool:
+    from rvllm.executor.parallel import WorkerDiedError
+
+    return isinstance(error, WorkerDiedError)

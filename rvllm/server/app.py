@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import rvllm
 from rvllm.cli_args import add_engine_args, engine_args_from_namespace
 from rvllm.engine.async_engine import AsyncEngine
+from rvllm.engine.data_parallel import DataParallelEngine
 from rvllm.server.errors import APIError, error_body, install_error_handlers
 from rvllm.server.metrics import ServerMetrics
 from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -143,6 +146,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer <key>' on every /v1 route")
     g.add_argument("--shutdown-timeout", type=float, default=3.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this server (requests go to the least loaded)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -154,7 +159,16 @@ def run_server(ns: argparse.Namespace) -> None:
     """Load the engine, then serve until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = engine_args_from_namespace(ns)
-    engine = AsyncEngine.from_engine_args(args)
+    engine: AsyncEngine | DataParallelEngine
+    if ns.data_parallel_size > 1:
+        engine = DataParallelEngine.from_engine_args(args, ns.data_parallel_size)
+        replicas = engine.replicas
+    else:
+        engine = AsyncEngine.from_engine_args(args)
+        replicas = [engine]
+    for replica in replicas:
+        # A dead worker ends the server (its requests were already failed).
+        replica.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
     name = ns.served_model_name or ns.model or Path(engine.model_path).name
     app = build_app(engine, name, ns.api_key)
     config = uvicorn.Config(

@@ -1,0 +1,77 @@
+"""The server over data-parallel replicas and over tensor-parallel workers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from server_helpers import ServerProcess
+from test_engine import make_prompts
+
+from rvllm import LLM, SamplingParams
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 12) -> str:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def test_data_parallel_server_matches_one_engine(llama_dir: Path) -> None:
+    prompts = make_prompts()
+    llm = LLM(str(llama_dir))
+    expected = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    server = ServerProcess(llama_dir, "--data-parallel-size", "2", "--served-model-name", "m")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: _complete(server.url, p), prompts))
+        assert texts == expected
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert "vllm:generation_tokens_total" in metrics
+    finally:
+        server.stop()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"spawn_main" in cmdline:
+            children.append(int(entry.name))
+    return children
+
+
+def test_dead_tensor_parallel_worker_fails_requests_and_exits(llama_dir: Path) -> None:
+    server = ServerProcess(llama_dir, "--tensor-parallel-size", "2",
+                           "--served-model-name", "m")
+    try:
+        workers = _spawned_children(server.proc.pid)
+        assert workers, "no tensor-parallel worker found"
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        start = time.monotonic()
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "error" in rest
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - start < 30
+    finally:
+        server.stop()
