@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat, max_tokens=512)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from rvllm.server.app import add_serve_args
+    from rvllm.server.args import add_serve_args
 
     add_serve_args(serve)
 

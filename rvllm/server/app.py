@@ -23,9 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rvllm
-from rvllm.cli_args import add_engine_args, engine_args_from_namespace
+from rvllm.cli_args import engine_args_from_namespace
 from rvllm.engine.async_engine import AsyncEngine
 from rvllm.engine.data_parallel import DataParallelEngine
+from rvllm.server.args import add_serve_args
 from rvllm.server.errors import APIError, error_body, install_error_handlers
 from rvllm.server.metrics import ServerMetrics
 from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -133,26 +134,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None) 
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     return app
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The ``rvllm serve`` flags: server options plus every engine flag, vLLM's names."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name the API answers to (default: the --model argument)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every /v1 route")
-    g.add_argument("--shutdown-timeout", type=float, default=3.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas behind this server (requests go to the least loaded)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="do not log one line per HTTP request")
-    add_engine_args(parser)
 
 
 def run_server(ns: argparse.Namespace) -> None:
