@@ -117,3 +117,39 @@ def test_killed_ray_worker_fails_the_step(llama_dir: Path, ray_cluster: None) ->
         assert time.monotonic() - start < 15
     finally:
         engine.shutdown()
+
+
+FAMILY_NAMES = ["qwen3", "gemma", "gemma2", "gemma3", "phi3", "phi", "mixtral", "qwen3_moe",
+                "deepseek_v2"]
+
+
+@pytest.fixture(scope="module")
+def family_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp-families")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_tp2_matches_tp1_for_every_family(family_root: Path, family: str) -> None:
+    from test_model_families import build_family
+    from test_model_families import make_prompts as family_prompts
+
+    path = str(build_family(family, family_root / family))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(path).generate(family_prompts(), params)]
+    llm = LLM(path, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids
+                for o in llm.generate(family_prompts(), params)] == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tp_refusal_during_load_leaves_no_workers(family_root: Path, llama_dir: Path) -> None:
+    from test_model_families import build_family
+
+    path = str(build_family("gemma4", family_root / "gemma4"))
+    with pytest.raises(ValueError, match="cannot split"):
+        LLM(path, tensor_parallel_size=2)
+    # The process group is gone: a new tensor-parallel engine starts cleanly.
+    llm = LLM(str(llama_dir), tensor_parallel_size=2)
+    llm.engine.shutdown()

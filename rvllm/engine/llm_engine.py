@@ -86,14 +86,19 @@ class LLMEngine:
                                           self.scheduler_config, self.device)
         self._check_capacity(num_blocks)
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
-        self.model = load_model(self.model_config, self.device, progress=args.show_progress,
-                                load_format=args.load_format)
-        self.runner = ModelRunner(self.model, args.block_size, self.device)
-        self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
-                                      self.model_config.head_dim, dtype)
-        if self.tp_group is not None:
-            self.tp_group.wait_ready()
-            self.runner.tp_group = self.tp_group
+        try:
+            self.model = load_model(self.model_config, self.device,
+                                    progress=args.show_progress, load_format=args.load_format)
+            self.runner = ModelRunner(self.model, args.block_size, self.device)
+            self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
+                                          self.model_config.head_dim, dtype)
+            if self.tp_group is not None:
+                self.tp_group.wait_ready()
+                self.runner.tp_group = self.tp_group
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.shutdown()  # never leave workers or the process group behind
+            raise
         mode = _preemption_mode(args)
         if mode == "swap":
             self.runner.allocate_swap_space(args.num_cpu_blocks)
