@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import AsyncIterator
 
 import torch
 
@@ -94,15 +93,8 @@ class DataParallelEngine:
             self._release(request_id)
             raise
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+    # The same stream loop as one engine's, over this class's add_request and abort.
+    generate = AsyncEngine.generate
 
     def abort(self, request_id: str) -> None:
         with self._lock:
