@@ -221,7 +221,11 @@ def write_gguf(path: Path, arch: str, model, vocab: tuple[list, list, list]) -> 
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -271,12 +275,12 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0):
 def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     root = tmp_path_factory.mktemp("gguf")
     vocab = sentencepiece_vocab()
-    models = {arch: tiny_model(arch, len(vocab[0])) for arch in ("llama", "qwen2")}
+    models = {arch: tiny_model(arch, len(vocab[0])) for arch in ("llama", "qwen2", "qwen3")}
     return {arch: (write_gguf(root / f"{arch}.gguf", arch, m, vocab), m)
             for arch, m in models.items()}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_round_trip_yields_the_hf_state_dict(arch: str, tiny_ggufs) -> None:
     path, model = tiny_ggufs[arch]
     expected = model.state_dict()
@@ -289,7 +293,7 @@ def test_gguf_round_trip_yields_the_hf_state_dict(arch: str, tiny_ggufs) -> None
         assert torch.equal(ours[name], tensor), name
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_config_matches_the_hf_config(arch: str, tiny_ggufs) -> None:
     path, model = tiny_ggufs[arch]
     config, hf = load_gguf_config(path), model.config
@@ -495,3 +499,22 @@ def test_resolve_gguf_path_accepts_a_file_or_a_directory_with_one_gguf(tmp_path:
     assert resolve_gguf_path(str(two)) is None
     assert resolve_gguf_path(str(tmp_path / "weights.bin")) is None
     assert resolve_gguf_path("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_model_generates_like_the_hf_model(arch: str, tiny_ggufs) -> None:
+    from rvllm import LLM, SamplingParams
+
+    path, model = tiny_ggufs[arch]
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(n)] for n in (1, 5, 23)]
+    model.generation_config.eos_token_id = None
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)
+        expected.append(out[0, len(ids):].tolist())
+    outs = LLM(str(path)).generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                           ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected

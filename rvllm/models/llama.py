@@ -31,8 +31,9 @@ class LlamaAttention(nn.Module):
         head_dim = cfg.get("head_dim") or hidden // num_heads
         bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden,
-                                        bias=bool(cfg.get("attention_bias", False)))
+        # Qwen2 has q/k/v biases but none on o_proj; Llama's attention_bias covers all four.
+        o_bias = bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2"
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
