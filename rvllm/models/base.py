@@ -81,13 +81,14 @@ class PreNormDecoderLayer(nn.Module):
     """Llama's block: x + attn(norm(x)), then x + mlp(norm(x)), with the residual add fused
     into the next norm."""
 
-    def __init__(self, cfg: dict[str, Any], self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, cfg: dict[str, Any], self_attn: nn.Module, mlp: nn.Module,
+                 norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.input_layernorm = norm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = norm(cfg["hidden_size"], eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

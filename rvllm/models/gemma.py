@@ -20,7 +20,7 @@ from rvllm.layers.embedding import VocabParallelEmbedding
 from rvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rvllm.layers.norm import GemmaRMSNorm
 from rvllm.layers.rotary import RotaryEmbedding, rope_parameters
-from rvllm.models.base import CausalLM, layer_types, layer_window
+from rvllm.models.base import CausalLM, PreNormDecoderLayer, layer_types, layer_window
 
 _GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "tanh", "gelu_new": "tanh"}
 
@@ -92,26 +92,12 @@ class GemmaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Gemma 1: Llama's pre-norm residual block."""
+class GemmaDecoderLayer(PreNormDecoderLayer):
+    """Gemma 1: Llama's pre-norm residual block, with Gemma's (1 + w) norms."""
 
     def __init__(self, cfg: dict[str, Any], max_position: int, layer_type: str) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = GemmaAttention(cfg, max_position, layer_type)
-        self.mlp = GemmaMLP(cfg)
-        self.input_layernorm = GemmaRMSNorm(cfg["hidden_size"], eps)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg["hidden_size"], eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        super().__init__(cfg, GemmaAttention(cfg, max_position, layer_type), GemmaMLP(cfg),
+                         norm=GemmaRMSNorm)
 
 
 class Gemma2DecoderLayer(GemmaDecoderLayer):
