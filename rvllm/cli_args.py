@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts and outputs are token ids")
+    g.add_argument("--cpu-linear-backend", choices=["auto", "onednn", "torch"], default="auto",
+                   help="float32 linear layers on the CPU: onednn = weights packed for "
+                        "oneDNN (auto, when torch has it), torch = plain F.linear")
+    g.add_argument("--quantization", "-q", choices=["fp16", "int8"], default=None,
+                   help="CPU weight formats (fbgemm), set at load: fp16 = linear weights "
+                        "stored in float16, computed in float32; int8 = weights int8 per "
+                        "output channel, activations int8 per token")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes (one per GPU, "
                         "or per group of CPU cores)")
@@ -73,6 +80,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         preemption_mode=ns.preemption_mode,
         load_format=ns.load_format,
         skip_tokenizer_init=ns.skip_tokenizer_init,
+        cpu_linear_backend=ns.cpu_linear_backend,
+        quantization=ns.quantization,
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         show_progress=True,

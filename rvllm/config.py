@@ -230,6 +230,8 @@ class EngineArgs:
     preemption_mode: str | None = None  # recompute | swap (default: swap when swap space exists)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights)
     skip_tokenizer_init: bool = False
+    cpu_linear_backend: str = "auto"  # auto | onednn | torch (float32 linear layers on CPU)
+    quantization: str | None = None  # int8: int8 weights, dynamic int8 activations (CPU)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 

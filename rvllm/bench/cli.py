@@ -1,4 +1,5 @@
-"""The benchmark commands of ``rvllm``: ``benchmark`` and ``bench serve|race|micro``.
+"""The benchmark commands of ``rvllm``: ``benchmark`` and
+``bench serve|race|micro|perplexity``.
 
 Only argument definitions live at import; each command's module (and NumPy, torch,
 the engine) loads when that command runs.
@@ -12,6 +13,7 @@ import importlib
 
 def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from rvllm.bench.engine import add_benchmark_args
+    from rvllm.bench.perplexity import add_perplexity_args
     from rvllm.bench.race import add_race_args
     from rvllm.bench.serve import add_serve_bench_args
 
@@ -30,6 +32,9 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     micro = bench_sub.add_parser("micro", help="CPU sampling operations against NumPy")
     add_micro_args(micro)
     micro.set_defaults(bench_module="rvllm.bench.micro")
+    ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text (accuracy check)")
+    add_perplexity_args(ppl)
+    ppl.set_defaults(bench_module="rvllm.bench.perplexity")
 
 
 def add_micro_args(parser: argparse.ArgumentParser) -> None:

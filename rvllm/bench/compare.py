@@ -22,6 +22,11 @@ KINDS = ("engine", "serve", "race", "micro")
 OURS = "rvllm"
 
 
+def is_ours(engine: str) -> bool:
+    """rvllm and its variants (``rvllm-int8``, ...) as ``rvllm benchmark --label`` names them."""
+    return engine == OURS or engine.startswith(OURS + "-")
+
+
 def load_results(folder: str | Path) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{kind: {workload: {engine: result}}} from the folder's ``<kind>-...json`` files."""
     grouped: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(
@@ -38,8 +43,8 @@ def load_results(folder: str | Path) -> dict[str, dict[str, dict[str, dict[str, 
 
 
 def engine_order(engines: list[str]) -> list[str]:
-    """rvllm first, the peers after it in name order."""
-    return sorted(engines, key=lambda e: (e != OURS, e))
+    """rvllm and its variants first, the peers after them in name order."""
+    return sorted(engines, key=lambda e: (not is_ours(e), e != OURS, e))
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -53,20 +58,22 @@ def _ratio_cell(ours: float, theirs: float) -> str:
 
 
 def engine_table(results: dict[str, dict[str, Any]], key: str = "output_tok_s") -> str:
-    """Rows per N; a column of ``key`` per engine, then rvllm/peer ratios."""
+    """Rows per N; a column of ``key`` per engine, then each rvllm variant's ratio to each
+    peer (measured in the same run)."""
     engines = engine_order(list(results))
-    peers = [e for e in engines if e != OURS]
+    ours = [e for e in engines if is_ours(e)]
+    peers = [e for e in engines if not is_ours(e)]
+    pairs = [(o, p) for o in ours for p in peers]
     by_n: dict[int, dict[str, float]] = defaultdict(dict)
     for e in engines:
         for row in results[e]["rows"]:
             by_n[int(row["n"])][e] = float(row[key])
-    head = ["N"] + engines + ([f"rvllm/{p}" for p in peers] if OURS in engines else [])
+    head = ["N"] + engines + [f"{o}/{p}" for o, p in pairs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in sorted(by_n):
         cells = [str(n)] + [_fmt(by_n[n].get(e, math.nan)) for e in engines]
-        if OURS in engines:
-            cells += [_ratio_cell(by_n[n].get(OURS, math.nan), by_n[n].get(p, math.nan))
-                      for p in peers]
+        cells += [_ratio_cell(by_n[n].get(o, math.nan), by_n[n].get(p, math.nan))
+                  for o, p in pairs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

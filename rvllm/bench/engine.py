@@ -67,6 +67,8 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured runs first")
     g.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--label", default="rvllm",
+                   help="engine name in the results (e.g. rvllm-int8 for a variant)")
     add_engine_args(parser)
 
 
@@ -138,7 +140,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     bar.close()
     return {
         "benchmark": "engine",
-        "engine": "rvllm",
+        "engine": args.label,
         "model": engine.model_config.path,
         "dtype": str(engine.model_config.dtype).removeprefix("torch."),
         "config": {"input_len": args.input_len, "output_len": args.output_len,

@@ -101,7 +101,9 @@ def run_race(ns: argparse.Namespace) -> dict[str, Any]:
                    "num_prompts": ns.num_prompts, "max_concurrency": ns.max_concurrency,
                    "request_rate": str(ns.request_rate), "random_input_len":
                    ns.random_input_len, "random_output_len": ns.random_output_len,
-                   "random_range_ratio": ns.random_range_ratio, "ignore_eos": ns.ignore_eos,
+                   "random_range_ratio": ns.random_range_ratio,
+                   "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
+                   "ignore_eos": ns.ignore_eos,
                    "seed": ns.seed},
         "machine": machine_info(),
         "phases": phases,

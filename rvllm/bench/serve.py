@@ -55,6 +55,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    parser.add_argument("--random-output-range-ratio", type=float, default=None,
+                        help="the output lengths' own range ratio (default: "
+                             "--random-range-ratio), e.g. inputs 32-512 with outputs 32-256")
     parser.add_argument("--random-vocab-size", type=int, default=32000,
                         help="random prompt token ids are drawn below this")
     parser.add_argument("--ignore-eos", action="store_true",
@@ -86,7 +89,9 @@ def build_dataset(ns: argparse.Namespace) -> list[BenchRequest]:
     if ns.dataset not in ("random", "fixed"):
         return _jsonl_dataset(Path(ns.dataset), count, ns.random_output_len)
     in_lens = _lengths(ns.random_input_len, ns.random_range_ratio, count, rng)
-    out_lens = _lengths(ns.random_output_len, ns.random_range_ratio, count, rng)
+    out_ratio = getattr(ns, "random_output_range_ratio", None)
+    out_lens = _lengths(ns.random_output_len,
+                        ns.random_range_ratio if out_ratio is None else out_ratio, count, rng)
     requests = []
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
         if ns.dataset == "fixed":
@@ -240,7 +245,9 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
                    "num_prompts": ns.num_prompts, "max_concurrency": ns.max_concurrency,
                    "request_rate": str(ns.request_rate), "random_input_len":
                    ns.random_input_len, "random_output_len": ns.random_output_len,
-                   "random_range_ratio": ns.random_range_ratio, "ignore_eos": ns.ignore_eos,
+                   "random_range_ratio": ns.random_range_ratio,
+                   "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
+                   "ignore_eos": ns.ignore_eos,
                    "seed": ns.seed},
         "machine": machine_info(),
         "metrics": serve_metrics(timings, duration),

@@ -27,6 +27,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

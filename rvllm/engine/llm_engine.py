@@ -88,7 +88,9 @@ class LLMEngine:
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
         try:
             self.model = load_model(self.model_config, self.device,
-                                    progress=args.show_progress, load_format=args.load_format)
+                                    progress=args.show_progress, load_format=args.load_format,
+                                    cpu_linear_backend=args.cpu_linear_backend,
+                                    quantization=args.quantization)
             self.runner = ModelRunner(self.model, args.block_size, self.device)
             self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
                                           self.model_config.head_dim, dtype)
@@ -116,9 +118,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.2fs: %s, %s, %d KV blocks of %d tokens",
-                    self.startup_seconds, self.model_config.architecture, dtype,
-                    num_blocks, args.block_size)
+        logger.info("engine ready in %.2fs: %s, %s, linear layers: %s, %d KV blocks of "
+                    "%d tokens", self.startup_seconds, self.model_config.architecture, dtype,
+                    self.model.linear_backend, num_blocks, args.block_size)
 
     @property
     def max_model_len(self) -> int:

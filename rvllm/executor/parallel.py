@@ -146,7 +146,9 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     init_distributed(rank, world_size, init_method, device)
     dtype = resolve_dtype(engine_args.dtype, device)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
-    model = load_model(config, device, load_format=engine_args.load_format)
+    model = load_model(config, device, load_format=engine_args.load_format,
+                       cpu_linear_backend=engine_args.cpu_linear_backend,
+                       quantization=engine_args.quantization)
     runner = ModelRunner(model, engine_args.block_size, device)
     runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, dtype)
     dist.barrier()

@@ -55,14 +55,20 @@ class Attention(nn.Module):
             if mask is None and k is not None and v is not None:
                 keys, values = k[rows], v[rows]
             else:
-                keys, values = key_flat[p.slots], value_flat[p.slots]
+                keys = key_flat.index_select(0, p.slots)
+                values = value_flat.index_select(0, p.slots)
             out[rows] = self._prefill(q[rows], keys, values, mask)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        keys = key_flat[slots].transpose(1, 2)  # [B, Hk, L, D]
-        values = value_flat[slots].transpose(1, 2)
+        # index_select on the flattened slots is several times faster than indexing with
+        # the [B, L] tensor itself on the CPU.
+        b, n = slots.shape
+        flat = slots.view(-1)
+        keys = key_flat.index_select(0, flat).view(b, n, *key_flat.shape[1:]).transpose(1, 2)
+        values = value_flat.index_select(0, flat).view(b, n, *value_flat.shape[1:])
+        values = values.transpose(1, 2)  # [B, Hk, L, D]
         return self._attend(q.unsqueeze(2), keys, values, mask).squeeze(2)
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from rvllm.layers.cpu_linear import apply_linear
+from rvllm.layers.linear import _LMHead
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,11 +40,17 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; may share its weight with the embedding."""
+class ParallelLMHead(VocabParallelEmbedding, _LMHead):
+    """Projects hidden states to logits; may share its weight with the embedding (then the
+    plain weight is kept for the embedding when the LM head's copy is packed)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_parameter("bias", None)  # Phi-2 gives its LM head one
+        self.keeps_weight = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = apply_linear(self, hidden, self.bias)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

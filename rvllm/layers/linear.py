@@ -9,10 +9,16 @@ this rank's shard.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from rvllm.layers.cpu_linear import apply_linear
+
+
+class _LMHead:
+    """Marker base of modules whose weight is a linear map worth packing (the LM head)."""
+
+    weight: torch.Tensor
 
 
 def _divide(a: int, b: int) -> int:
@@ -48,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = apply_linear(self, x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -126,7 +132,10 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(apply_linear(self, x))
         # The bias is added once, after the sum, so it is not counted tp_size times.
         return y + self.bias if self.bias is not None else y
+
+
+# What cpu_linear.prepare_linear_weights may repack or quantize.
+LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, _LMHead)

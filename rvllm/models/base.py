@@ -132,6 +132,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tied:
             self.lm_head.weight = model.embed_tokens.weight
+            self.lm_head.keeps_weight = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

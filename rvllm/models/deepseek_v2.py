@@ -53,6 +53,7 @@ class DeepseekV2MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               num_heads * (self.nope_dim + self.v_dim))
+        self.kv_b_proj.packable = False  # its weight is split and absorbed, never applied as is
         self.o_proj = RowParallelLinear(num_heads * self.v_dim, hidden, bias=bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope_dim + self.v_dim)
         params = rope_type_of(cfg)

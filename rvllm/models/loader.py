@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rvllm.config import ModelConfig
+from rvllm.layers.cpu_linear import prepare_linear_weights
 from rvllm.models.registry import get_model_class
 
 
@@ -62,8 +63,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_model(config: ModelConfig, device: torch.device, progress: bool = False,
-               load_format: str = "auto") -> nn.Module:
-    """Instantiate the registered class for ``config`` and load its weights."""
+               load_format: str = "auto", cpu_linear_backend: str = "auto",
+               quantization: str | None = None) -> nn.Module:
+    """Instantiate the registered class for ``config``, load its weights, and (on the CPU)
+    repack or quantize the linear weights; ``model.linear_backend`` names the path."""
     start = time.perf_counter()
     cls = get_model_class(config.architecture)
     torch.set_default_dtype(config.dtype)
@@ -74,9 +77,7 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         torch.set_default_dtype(torch.float32)
     if load_format == "dummy":
         init_dummy_weights(model)
-        model.eval()
-        model.load_seconds = time.perf_counter() - start
-        return model
+        return _finish(model, start, cpu_linear_backend, quantization)
     if config.gguf_file is not None:
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
@@ -91,6 +92,12 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         raise ValueError(
             f"the checkpoint in {config.path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
+    return _finish(model, start, cpu_linear_backend, quantization)
+
+
+def _finish(model: nn.Module, start: float, cpu_linear_backend: str,
+            quantization: str | None) -> nn.Module:
     model.eval()
+    model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization)
     model.load_seconds = time.perf_counter() - start
     return model

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rvllm.distributed import all_gather_last_dim
 from rvllm.layers.attention import Attention
 from rvllm.layers.embedding import VocabParallelEmbedding
 from rvllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -98,9 +97,3 @@ class PhiForCausalLM(CausalLM):
         self.lm_head.bias = nn.Parameter(torch.zeros(self.lm_head.shard_size),
                                          requires_grad=False)
         self.lm_head.bias.weight_loader = self.lm_head.weight_loader
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        if self.lm_head.tp_size > 1:
-            logits = all_gather_last_dim(logits)
-        return logits[..., : self.lm_head.num_embeddings]

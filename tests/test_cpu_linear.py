@@ -1,0 +1,167 @@
+"""The CPU linear fast paths (oneDNN packed float32, fbgemm fp16 and int8) against their
+plain-torch references, and what they do to a real model's accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rvllm.layers.cpu_linear import (
+    int8_available,
+    int8_linear_reference,
+    onednn_available,
+    prepare_linear_weights,
+    quantize_int8,
+)
+from rvllm.layers.embedding import ParallelLMHead
+from rvllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+needs_fbgemm = pytest.mark.skipif(not int8_available(), reason="torch built without fbgemm")
+
+
+class Block(nn.Module):
+    """One of each linear kind, filled with seeded random weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = QKVParallelLinear(48, 8, 4, 2, bias=True)
+        self.gate_up = MergedColumnParallelLinear(48, [40, 40])
+        self.col = ColumnParallelLinear(48, 24, bias=True)
+        self.row = RowParallelLinear(80, 48, bias=True)
+        self.lm_head = ParallelLMHead(100, 48)
+        for p in self.parameters():
+            p.data.normal_()
+
+    def outputs(self, x: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor]:
+        return [self.qkv(x), self.gate_up(x), self.col(x), self.row(h),
+                self.lm_head.compute_logits(x)]
+
+    def references(self, x: torch.Tensor, h: torch.Tensor, weight: callable
+                   ) -> list[torch.Tensor]:
+        return [F.linear(x, weight(self.qkv.weight), self.qkv.bias),
+                F.linear(x, weight(self.gate_up.weight)),
+                F.linear(x, weight(self.col.weight), self.col.bias),
+                F.linear(h, weight(self.row.weight), self.row.bias),
+                F.linear(x, weight(self.lm_head.weight))]
+
+
+def inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    return torch.randn(rows, 48, generator=gen), torch.randn(rows, 80, generator=gen)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 32, 100])
+def test_onednn_packed_linear_equals_f_linear(rows: int) -> None:
+    block = Block()
+    x, h = inputs(rows)
+    expected = block.references(x, h, lambda w: w.clone())
+    assert prepare_linear_weights(block, "auto") == "onednn"
+    assert block.col.weight.numel() == 0  # the plain copy was released
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_fp16_weights_equal_f_linear_on_the_rounded_weight(rows: int) -> None:
+    block = Block()
+    x, h = inputs(rows)
+    expected = block.references(x, h, lambda w: w.half().float())
+    assert prepare_linear_weights(block, "auto", "fp16") == "fp16"
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_path_equals_its_plain_torch_reference(rows: int) -> None:
+    block = Block()
+    x, h = inputs(rows)
+    layers = [block.qkv, block.gate_up, block.col, block.row, block.lm_head]
+    expected = []
+    for layer, inp in zip(layers, [x, x, x, h, x]):
+        q, scale = quantize_int8(layer.weight)
+        y = int8_linear_reference(inp, q, scale)
+        expected.append(y if layer.bias is None else y + layer.bias)
+    assert prepare_linear_weights(block, "auto", "int8") == "int8"
+    for got, want in zip(block.outputs(x, h), expected):
+        # One quantization step of an input can round the other way: allow a few of them.
+        tol = 3 * want.abs().max().item() / 127
+        torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+def test_int8_quantization_is_per_output_row_and_symmetric() -> None:
+    w = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -2.0]])
+    q, scale = quantize_int8(w)
+    torch.testing.assert_close(scale, torch.tensor([1.0, 2.0]) / 127)
+    assert q.tolist() == [[64, -127, 32], [127, 64, -127]]
+
+
+def test_tied_lm_head_keeps_the_embedding_weight() -> None:
+    block = Block()
+    block.lm_head.keeps_weight = True
+    before = block.lm_head.weight.detach().clone()
+    prepare_linear_weights(block, "auto", "fp16")
+    torch.testing.assert_close(block.lm_head.weight, before)
+
+
+def test_torch_backend_leaves_the_weights_alone() -> None:
+    block = Block()
+    assert prepare_linear_weights(block, "torch") == "torch"
+    assert block.col.weight.shape == (24, 48)
+    assert getattr(block.col, "linear_kind", None) is None
+
+
+def test_unknown_backend_or_quantization_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="cpu linear backend"):
+        prepare_linear_weights(Block(), "mkl")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        prepare_linear_weights(Block(), "auto", "int4")
+
+
+@pytest.fixture(scope="module")
+def smollm2_logprobs() -> dict[str, tuple[float, list[float]]]:
+    """Perplexity and per-token logprobs of the built-in passage on SmolLM2, per path."""
+    from rvllm import LLM
+    from rvllm.bench.perplexity import TEXT, perplexity_of
+    from rvllm.sampling_params import SamplingParams
+
+    results = {}
+    for name, kwargs in {"torch": {"cpu_linear_backend": "torch"}, "onednn": {},
+                         "fp16": {"quantization": "fp16"},
+                         "int8": {"quantization": "int8"}}.items():
+        llm = LLM(**kwargs)
+        ids = llm.get_tokenizer().encode(TEXT)[:200]
+        ppl, _ = perplexity_of(llm, ids, 256)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0,
+                                                                     prompt_logprobs=0))[0]
+        logprobs = [e[t].logprob for t, e in zip(ids[1:], out.prompt_logprobs[1:])]
+        results[name] = (ppl, logprobs)
+        llm.engine.shutdown()
+    return results
+
+
+@needs_onednn
+@needs_fbgemm
+def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
+    """The stated tolerances: oneDNN float32 and fp16 weights score the text like plain
+    float32 (perplexity within 0.1% and 1%); int8 within 20%."""
+    ref_ppl, ref = smollm2_logprobs["torch"]
+    limits = {"onednn": (1.001, 1e-3), "fp16": (1.01, 0.05), "int8": (1.2, None)}
+    for name, (ppl_ratio, max_diff) in limits.items():
+        ppl, logprobs = smollm2_logprobs[name]
+        assert math.exp(abs(math.log(ppl / ref_ppl))) < ppl_ratio, (name, ppl, ref_ppl)
+        if max_diff is not None:
+            assert max(abs(a - b) for a, b in zip(logprobs, ref)) < max_diff, name
