@@ -39,6 +39,19 @@ def test_tp2_with_chunked_prefill_and_preemption(llama_dir: Path) -> None:
         llm.engine.shutdown()
 
 
+def test_tp2_with_swap_preemption(llama_dir: Path) -> None:
+    """Every rank swaps its own KV heads out to CPU blocks and back."""
+    kwargs = dict(num_gpu_blocks=16, max_model_len=128, block_size=8, num_cpu_blocks=64,
+                  max_num_batched_tokens=24)
+    expected = run(LLM(str(llama_dir), **kwargs))
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, **kwargs)
+    try:
+        assert run(llm) == expected
+        assert llm.engine.scheduler.num_swap_outs > 0
+    finally:
+        llm.engine.shutdown()
+
+
 def test_killed_worker_fails_the_step_quickly(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), tensor_parallel_size=2)
     engine = llm.engine

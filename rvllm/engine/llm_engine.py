@@ -407,9 +407,6 @@ def _preemption_mode(args: EngineArgs) -> str:
         raise ValueError(f"preemption_mode must be swap or recompute, got {mode!r}.")
     if mode == "swap" and not args.num_cpu_blocks:
         raise ValueError("preemption_mode=swap needs CPU swap space: set --num-cpu-blocks.")
-    if mode == "swap" and args.tensor_parallel_size > 1:
-        raise ValueError("preemption_mode=swap is not supported with tensor parallelism yet; "
-                         "use --preemption-mode recompute.")
     return mode
 
 

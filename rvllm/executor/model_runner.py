@@ -98,7 +98,8 @@ class ModelRunner:
         if self.tp_group is not None:
             from rvllm.executor.parallel import StepInputs, send_step
 
-            send_step(StepInputs(input_ids, positions, metadata, logit_rows))
+            send_step(StepInputs(input_ids, positions, metadata, logit_rows,
+                                 sched.blocks_to_swap_out, sched.blocks_to_swap_in))
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
             # One LM-head call for every row that needs logits (all ranks join it).

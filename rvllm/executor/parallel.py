@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -24,8 +24,9 @@ from rvllm.forward_context import AttentionMetadata, PrefillSeq
 
 logger = logging.getLogger("rvllm")
 
-# num_tokens, num_decodes, decode_max_len, num_prefills, payload_len, stop
-HEADER_LEN = 6
+# num_tokens, num_decodes, decode_max_len, num_prefills, payload_len, stop,
+# num_swap_out, num_swap_in
+HEADER_LEN = 8
 _STOP = 1
 
 
@@ -39,6 +40,10 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logit_rows: torch.Tensor
+    # (device block, CPU block) pairs copied out, then (CPU block, device block) pairs in,
+    # before the forward pass (swap preemption); every rank moves its own KV heads.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -74,6 +79,9 @@ def send_step(step: StepInputs) -> None:
     parts = [step.input_ids, step.positions, md.slot_mapping]
     if nd:
         parts += [md.decode_slots.reshape(-1), md.decode_seq_lens]  # type: ignore[union-attr]
+    for pairs in (step.swap_out, step.swap_in):
+        if pairs:
+            parts.append(torch.tensor(pairs, dtype=torch.long).reshape(-1))
     if md.prefills:
         parts.append(torch.tensor([[p.token_start, p.num_tokens, p.context_len]
                                    for p in md.prefills]).reshape(-1))
@@ -81,7 +89,8 @@ def send_step(step: StepInputs) -> None:
     parts.append(step.logit_rows)
     payload = torch.cat([p.to("cpu", torch.long).reshape(-1) for p in parts])
     header = torch.tensor([step.input_ids.numel(), nd, max_len, len(md.prefills),
-                           payload.numel(), 0], dtype=torch.long)
+                           payload.numel(), 0, len(step.swap_out), len(step.swap_in)],
+                          dtype=torch.long)
     _broadcast(header)
     _broadcast(payload)
 
@@ -96,15 +105,15 @@ def recv_step(device: torch.device) -> StepInputs | None:
     """Ranks 1..N-1: the next step's inputs, or None when rank 0 says stop."""
     header = torch.empty(HEADER_LEN, dtype=torch.long)
     _broadcast(header)
-    t, nd, max_len, num_prefills, payload_len, stop = header.tolist()
+    t, nd, max_len, num_prefills, payload_len, stop, n_out, n_in = header.tolist()
     if stop == _STOP:
         return None
     payload = torch.empty(payload_len, dtype=torch.long)
     _broadcast(payload)
-    sizes = [t, t, t, nd * max_len, nd, num_prefills * 3]
+    sizes = [t, t, t, nd * max_len, nd, n_out * 2, n_in * 2, num_prefills * 3]
     fixed = sum(sizes)
-    input_ids, positions, slot_mapping, dslots, dlens, table = torch.split(
-        payload[:fixed], sizes)
+    input_ids, positions, slot_mapping, dslots, dlens, out_pairs, in_pairs, table = \
+        torch.split(payload[:fixed], sizes)
     rest = payload[fixed:]
     prefills = []
     for start, n, ctx in table.view(-1, 3).tolist():
@@ -117,7 +126,9 @@ def recv_step(device: torch.device) -> StepInputs | None:
         decode_seq_lens=dlens.to(device) if nd else None,
         prefills=prefills,
     )
-    return StepInputs(input_ids.to(device), positions.to(device), metadata, rest.to(device))
+    return StepInputs(input_ids.to(device), positions.to(device), metadata, rest.to(device),
+                      [tuple(p) for p in out_pairs.view(-1, 2).tolist()],
+                      [tuple(p) for p in in_pairs.view(-1, 2).tolist()])
 
 
 def _broadcast(t: torch.Tensor) -> None:
@@ -151,9 +162,13 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
                        quantization=engine_args.quantization)
     runner = ModelRunner(model, engine_args.block_size, device)
     runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, dtype)
+    if engine_args.num_cpu_blocks and engine_args.preemption_mode != "recompute":
+        runner.allocate_swap_space(engine_args.num_cpu_blocks)
     dist.barrier()
     with torch.inference_mode():
         while (step := recv_step(device)) is not None:
+            if step.swap_out or step.swap_in:
+                runner.swap(step.swap_out, step.swap_in)
             with set_forward_context(step.metadata):
                 hidden = model(step.input_ids, step.positions)
                 if step.logit_rows.numel():
