@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="GiB of KV cache on the CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory rvllm may use")
+    g.add_argument("--gpu-memory-reserve-gb", type=float, default=0.0,
+                   help="GiB of GPU memory always left free (so --gpu-memory-utilization "
+                        "1.0 with a reserve is safe)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse KV blocks of shared prompt prefixes")
     g.add_argument("--max-num-seqs", type=int, default=256,
@@ -43,6 +46,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts and outputs are token ids")
+    g.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="triton: fused Triton kernels (norm, RoPE + KV write, paged "
+                        "attention, SiLU*mul, greedy sampling), checked at start-up; "
+                        "torch: plain PyTorch; auto = triton on CUDA, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every decode step eagerly")
+    g.add_argument("--cuda-graph-sizes", nargs="+", default=None,
+                   help="decode batch sizes to capture as CUDA graphs (default 1, 2, 4, 8 "
+                        "and every 8 up to --max-num-seqs); larger batches run eagerly")
     g.add_argument("--cpu-linear-backend", choices=["auto", "onednn", "torch"], default="auto",
                    help="float32 linear layers on the CPU: onednn = weights packed for "
                         "oneDNN (auto, when torch has it), torch = plain F.linear")
@@ -70,6 +82,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         num_gpu_blocks=ns.num_gpu_blocks,
         kv_cache_memory=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization,
+        gpu_memory_reserve_gb=ns.gpu_memory_reserve_gb,
         enable_prefix_caching=ns.enable_prefix_caching,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -80,6 +93,9 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         preemption_mode=ns.preemption_mode,
         load_format=ns.load_format,
         skip_tokenizer_init=ns.skip_tokenizer_init,
+        kernel_backend=ns.kernel_backend,
+        enforce_eager=ns.enforce_eager,
+        cuda_graph_sizes=",".join(ns.cuda_graph_sizes) if ns.cuda_graph_sizes else None,
         cpu_linear_backend=ns.cpu_linear_backend,
         quantization=ns.quantization,
         tensor_parallel_size=ns.tensor_parallel_size,

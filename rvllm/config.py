@@ -174,6 +174,7 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float = 0.9
+    gpu_memory_reserve_gb: float = 0.0
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -186,6 +187,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.gpu_memory_reserve_gb < 0:
+            raise ValueError(
+                f"gpu_memory_reserve_gb must be >= 0, got {self.gpu_memory_reserve_gb}."
             )
 
 
@@ -219,6 +224,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     kv_cache_memory: float = 2.0
     gpu_memory_utilization: float = 0.9
+    gpu_memory_reserve_gb: float = 0.0
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -230,6 +236,9 @@ class EngineArgs:
     preemption_mode: str | None = None  # recompute | swap (default: swap when swap space exists)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights)
     skip_tokenizer_init: bool = False
+    kernel_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
+    enforce_eager: bool = False  # no CUDA graphs for decode
+    cuda_graph_sizes: str | None = None  # "1,2,4,8,..." (default: 1, 2, 4, 8, every 8)
     cpu_linear_backend: str = "auto"  # auto | onednn | torch (float32 linear layers on CPU)
     quantization: str | None = None  # int8: int8 weights, dynamic int8 activations (CPU)
     tensor_parallel_size: int = 1

@@ -51,6 +51,13 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] context length including the new token
     prefills: list[PrefillSeq]
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # The paged kernels' view of the same step (add_block_tables fills these).
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    decode_lens_i32: torch.Tensor | None = None  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
+    prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int32: cached + new
+    max_prefill_len: int = 0
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_len] bool, True = attend."""
@@ -64,6 +71,31 @@ class AttentionMetadata:
                 mask &= k_pos > last - window
             self._decode_masks[window] = mask[:, None, None, :]
         return self._decode_masks[window]
+
+
+def add_block_tables(md: AttentionMetadata, block_size: int) -> None:
+    """Fill the block-table fields the paged Triton kernels read, from the slot lists the
+    torch path reads (so the tensor-parallel wire carries one form only). A decode row's
+    padding repeats its last real slot, so its padded table entries name a real block."""
+    if md.num_decode_tokens:
+        assert md.decode_slots is not None and md.decode_seq_lens is not None
+        md.decode_block_tables = (md.decode_slots[:, ::block_size] // block_size).int()
+        md.decode_lens_i32 = md.decode_seq_lens.int()
+    if md.prefills:
+        device = md.slot_mapping.device
+        width = max(-(-(p.context_len + p.num_tokens) // block_size) for p in md.prefills)
+        tables = torch.zeros(len(md.prefills), width, dtype=torch.int32, device=device)
+        for i, p in enumerate(md.prefills):
+            blocks = p.slots[::block_size] // block_size
+            tables[i, : blocks.shape[0]] = blocks.int()
+        first = md.prefills[0].token_start
+        starts = [p.token_start - first for p in md.prefills]
+        starts.append(starts[-1] + md.prefills[-1].num_tokens)
+        md.prefill_block_tables = tables
+        md.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        md.prefill_seq_lens = torch.tensor([p.context_len + p.num_tokens for p in md.prefills],
+                                           dtype=torch.int32, device=device)
+        md.max_prefill_len = max(p.num_tokens for p in md.prefills)
 
 
 # Per thread: data-parallel replicas run their step loops side by side in one process.

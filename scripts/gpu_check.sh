@@ -49,7 +49,7 @@ print(torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_nam
   || { echo "gpu_check needs PyTorch with CUDA and Triton"; exit 1; }
 
 run_step kernel_tests 180 "$py" scripts/run_tests.py tests/test_kernels.py \
-  tests/test_cuda_graphs.py --json "$out_dir/kernel_tests.json"
+  tests/test_cuda_graphs.py tests/test_triton_path.py tests/test_memory.py --json "$out_dir/kernel_tests.json"
 run_step kernel_bench 150 "$py" scripts/bench_kernels.py --out "$out_dir/kernel_bench.json"
 
 model_dir="$out_dir/qwen2.5-7b-shape"
@@ -61,7 +61,7 @@ if "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format";
     for eager in "" "--enforce-eager"; do
       # shellcheck disable=SC2086  # $eager is one flag or nothing
       "$py" -m rvllm.cli benchmark --model "$model_dir" --load-format dummy \
-        --skip-tokenizer-init --dtype bfloat16 --num-seqs 1,8,32,128 --output-len 256 \
+        --skip-tokenizer-init --dtype bfloat16 --n 1,8,32,128 --output-len 256 \
         $eager --json "$out_dir/engine_bench${eager:+_eager}.json" || return 1
     done
   }

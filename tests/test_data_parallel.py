@@ -1,18 +1,29 @@
-"""Data parallelism: replicas behind one engine face give the outputs of one replica."""
+"""Data parallelism: replicas behind one engine face give the outputs of one replica;
+each replica is its own process, and one that dies is failed cleanly and restarted."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
 from test_engine import make_prompts
 
 from rvllm import LLM, SamplingParams
 from rvllm.config import EngineArgs
+from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from rvllm.engine.data_parallel import DataParallelEngine
+from rvllm.engine.process_engine import ProcessEngine
+from rvllm.outputs import RequestOutput
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Long enough that a replica killed after the first token is still generating.
+LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
 
 async def _run_all(engine: DataParallelEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -26,41 +37,182 @@ async def _run_all(engine: DataParallelEngine, prompts: list[list[int]]) -> list
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def test_two_replicas_match_one_engine_and_share_the_load(llama_dir: Path) -> None:
-    prompts = make_prompts()
-    expected = [o.outputs[0].token_ids for o in LLM(str(llama_dir)).generate(prompts, PARAMS)]
+async def _last(outputs: AsyncIterator[RequestOutput] | RequestStream) -> RequestOutput:
+    final = None
+    async for out in outputs:
+        final = out
+    assert final is not None
+    return final
+
+
+def _wait(predicate, timeout: float) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def expected(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(make_prompts(), PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def dp_engine(llama_dir: Path) -> Iterator[DataParallelEngine]:
     engine = DataParallelEngine.from_engine_args(EngineArgs(model=str(llama_dir)), 2)
+    yield engine
+    engine.shutdown()
+
+
+def test_two_replicas_match_one_engine_and_share_the_load(
+        dp_engine: DataParallelEngine, expected: list[list[int]]) -> None:
+    engine = dp_engine
     seen: list[set[str]] = [set(), set()]
     for index, replica in enumerate(engine.replicas):
         replica.step_observers.append(
             lambda outs, _aborted, i=index: seen[i].update(o.request_id for o in outs))
-    try:
-        assert asyncio.run(_run_all(engine, prompts)) == expected
-        assert seen[0] and seen[1] and not seen[0] & seen[1]
-        deadline = time.monotonic() + 5  # observers run on the loop threads, just after
-        while engine.replica_loads() != [0, 0] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.replica_loads() == [0, 0]
-        snap = engine.snapshot()
-        assert snap.num_free_blocks == snap.num_blocks
-        assert snap.generation_tokens == 12 * len(prompts)
-    finally:
-        engine.shutdown()
+    assert asyncio.run(_run_all(engine, make_prompts())) == expected
+    assert seen[0] and seen[1] and not seen[0] & seen[1]
+    # Observers run on the reader threads, just after the outputs are handed out.
+    assert _wait(lambda: engine.replica_loads() == [0, 0], 5)
+    snap = engine.snapshot()
+    assert snap.num_free_blocks == snap.num_blocks
+    assert snap.generation_tokens == 12 * len(expected)
 
 
-def test_bad_request_on_a_replica_is_refused_and_released(llama_dir: Path) -> None:
-    engine = DataParallelEngine.from_engine_args(EngineArgs(model=str(llama_dir)), 2)
+def test_each_replica_is_its_own_process(dp_engine: DataParallelEngine) -> None:
+    pids = [r.pid for r in dp_engine.replicas]
+    assert all(isinstance(r, ProcessEngine) and r.is_running for r in dp_engine.replicas)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
 
+
+def test_outputs_cross_the_process_boundary_whole(dp_engine: DataParallelEngine,
+                                                  llm: LLM) -> None:
+    prompt = make_prompts()[0]
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, prompt_logprobs=2)
+    params.stop = [llm.generate([prompt], params)[0].outputs[0].text[5:8]]
+    want = llm.generate([prompt], params)[0]
+
+    async def stream() -> list[RequestOutput]:
+        return [o async for o in dp_engine.generate(prompt, params, "whole")]
+
+    outs = asyncio.run(stream())
+    got = outs[-1]
+    assert got.finished and got.outputs[0].stop_reason == params.stop[0]
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.num_cached_tokens == want.num_cached_tokens
+    # Logprobs to float32 rounding: a replica computes on its share of the cores, and
+    # oneDNN's summation order follows the thread count.
+    assert_logprobs_close(got.prompt_logprobs, want.prompt_logprobs)
+    g, w = got.outputs[0], want.outputs[0]
+    for field in ("index", "text", "token_ids", "finish_reason", "stop_reason"):
+        assert getattr(g, field) == getattr(w, field), field
+    assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+    assert_logprobs_close(g.logprobs, w.logprobs)
+    assert sum(sum(o.new_token_counts) for o in outs) == len(got.outputs[0].token_ids)
+    for o in outs:  # every streamed output is a prefix of the final one
+        c = o.outputs[0]
+        assert got.outputs[0].text.startswith(c.text)
+        assert got.outputs[0].token_ids[:len(c.token_ids)] == c.token_ids
+        assert got.outputs[0].logprobs[:len(c.logprobs)] == c.logprobs
+
+
+def assert_logprobs_close(got: list | None, want: list | None) -> None:
+    assert (got is None) == (want is None) and len(got or []) == len(want or [])
+    for g, w in zip(got or [], want or []):
+        assert (g is None) == (w is None)
+        if g is None:
+            continue
+        assert g.keys() == w.keys()
+        for token in g:
+            assert g[token].rank == w[token].rank
+            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
+
+
+def test_bad_request_on_a_replica_is_refused_and_released(dp_engine: DataParallelEngine) -> None:
     async def bad() -> None:
-        await engine.add_request("x", [5] * 300, SamplingParams(max_tokens=10))
+        await dp_engine.add_request("x", [5] * 300, SamplingParams(max_tokens=10))
 
+    with pytest.raises(ValueError, match="maximum context length"):
+        asyncio.run(bad())
+    assert dp_engine.replica_loads() == [0, 0]
+
+
+def test_in_process_replicas_still_work(llama_dir: Path, expected: list[list[int]]) -> None:
+    engine = DataParallelEngine(
+        [AsyncEngine.from_engine_args(EngineArgs(model=str(llama_dir))) for _ in range(2)])
     try:
-        try:
-            asyncio.run(bad())
-        except ValueError as e:
-            assert "maximum context length" in str(e)
-        else:
-            raise AssertionError("an over-long prompt was accepted")
-        assert engine.replica_loads() == [0, 0]
+        assert asyncio.run(_run_all(engine, make_prompts())) == expected
     finally:
         engine.shutdown()
+
+
+def test_killed_replica_fails_its_requests_and_is_restarted(llama_dir: Path) -> None:
+    engine = DataParallelEngine.from_engine_args(EngineArgs(model=str(llama_dir)), 2)
+    victim = engine.replicas[0]
+
+    async def scenario() -> None:
+        streams = [await engine.add_request(f"long{i}", [5, 6, 7], LONG) for i in range(2)]
+        assert engine.replica_loads() == [1, 1]
+        for s in streams:
+            await anext(s)  # both are generating
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        dead, alive = await asyncio.gather(_last(streams[0]), _last(streams[1]),
+                                           return_exceptions=True)
+        assert isinstance(dead, EngineDeadError) and "died" in str(dead)
+        assert time.monotonic() - killed < 5
+        assert isinstance(alive, RequestOutput) and len(alive.outputs[0].token_ids) == 240
+        # While replica 0 restarts, the survivor takes the new requests.
+        during = await _last(engine.generate([8, 9], PARAMS, "during"))
+        assert len(during.outputs[0].token_ids) == 12
+        deadline = time.monotonic() + 60
+        while not (engine.replicas[0] is not victim and engine.replicas[0].is_running):
+            assert time.monotonic() < deadline, "replica 0 was not restarted"
+            await asyncio.sleep(0.05)
+        assert engine.replicas[0].pid != victim.pid
+        after = await asyncio.gather(*(engine.add_request(f"after{i}", [8, 9], PARAMS)
+                                       for i in range(2)))
+        assert engine.replica_loads() == [1, 1]  # the new replica takes its share
+        for s in after:
+            assert (await _last(s)).outputs[0].token_ids == during.outputs[0].token_ids
+
+    try:
+        asyncio.run(scenario())
+        assert _wait(lambda: engine.replica_loads() == [0, 0], 5)
+        assert engine.snapshot().generation_tokens >= 240 + 3 * 12  # counters survive
+    finally:
+        engine.shutdown()
+
+
+def test_lone_process_engine_death_is_fatal(llama_dir: Path) -> None:
+    engine = ProcessEngine.from_engine_args(EngineArgs(model=str(llama_dir)))
+    fatal = threading.Event()
+    engine.on_fatal = lambda _error: fatal.set()
+
+    async def scenario() -> None:
+        stream = await engine.add_request("r", [5, 6, 7], LONG)
+        await anext(stream)
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            await _last(stream)
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("later", [5, 6, 7], PARAMS)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 10))
+        assert fatal.wait(5) and not engine.is_running
+    finally:
+        engine.shutdown()
+
+
+def test_bad_model_path_fails_fast_with_the_childs_error(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        DataParallelEngine.from_engine_args(EngineArgs(model=str(tmp_path / "missing")), 2)
+    assert time.monotonic() - start < 30

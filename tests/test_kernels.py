@@ -24,6 +24,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from rvllm import kernels  # noqa: E402
 from rvllm.kernels import KERNEL_NAMES, check, check_kernels  # noqa: E402
 from rvllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from rvllm.kernels.decode_attention import (  # noqa: E402
@@ -295,6 +296,7 @@ def test_check_kernels_names_the_kernel_that_does_not_match(monkeypatch) -> None
         return (x + 1,), (x,)
 
     monkeypatch.setitem(check.CASES, "silu_and_mul", wrong)
+    monkeypatch.setattr(kernels, "_CHECKED", set())  # forget earlier passes
     with pytest.raises(RuntimeError, match="silu_and_mul does not match"):
         check_kernels(DEVICE, torch.float32, ["silu_and_mul"])
 
@@ -304,5 +306,6 @@ def test_check_kernels_names_the_kernel_that_fails_to_run(monkeypatch) -> None:
         raise ValueError("boom")
 
     monkeypatch.setitem(check.CASES, "greedy_sample", broken)
+    monkeypatch.setattr(kernels, "_CHECKED", set())
     with pytest.raises(RuntimeError, match="greedy_sample failed to compile or run.*boom"):
         check_kernels(DEVICE, torch.float32, ["greedy_sample"])

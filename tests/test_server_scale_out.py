@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, scrape, wait_for
 from test_engine import make_prompts
 
 from rvllm import LLM, SamplingParams
@@ -73,5 +73,39 @@ def test_dead_tensor_parallel_worker_fails_requests_and_exits(llama_dir: Path) -
         assert "error" in rest
         server.proc.wait(timeout=30)
         assert time.monotonic() - start < 30
+    finally:
+        server.stop()
+
+
+def test_killed_data_parallel_replica_fails_its_stream_and_comes_back(llama_dir: Path) -> None:
+    server = ServerProcess(llama_dir, "--data-parallel-size", "2", "--served-model-name", "m")
+    try:
+        replicas = _spawned_children(server.proc.pid)
+        assert len(replicas) == 2, replicas
+        blocks = scrape(server.url)["vllm:num_gpu_blocks"]
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=30) as r0, \
+                httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                             timeout=30) as r1:
+            streams = [r0.iter_lines(), r1.iter_lines()]
+            for lines in streams:  # one on each replica, both generating
+                next(line for line in lines if line.startswith("data: "))
+            os.kill(replicas[0], signal.SIGKILL)
+            rests = ["\n".join(lines) for lines in streams]
+        assert sum("error" in rest for rest in rests) == 1
+        assert all(rest.rstrip().endswith("data: [DONE]") for rest in rests)
+        # The other replica serves while the dead one restarts.
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        expected = _complete(server.url, [5, 6, 7])
+        # A dead replica has no KV cache; the pool is whole again once it is back.
+        assert scrape(server.url)["vllm:num_gpu_blocks"] == blocks / 2
+        assert wait_for(lambda: scrape(server.url)["vllm:num_gpu_blocks"] == blocks, 60)
+        assert replicas[0] not in _spawned_children(server.proc.pid)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda _: _complete(server.url, [5, 6, 7]), range(2))) \
+                == [expected, expected]
+        assert server.proc.poll() is None
     finally:
         server.stop()

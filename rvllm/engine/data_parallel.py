@@ -1,60 +1,93 @@
 """Data parallelism: N engine replicas behind one server, each request on the least loaded.
 
-Every replica is a whole AsyncEngine (its own model copy, KV cache and step
-loop thread; on GPUs, its own device). The step loops run their tensor work
-with the GIL released, so replicas compute side by side. The server sees the
-same interface as one AsyncEngine: requests are routed to the replica with the
-fewest live requests, gauges and counters are summed, and step observers (the
-metrics histograms) hear from every replica.
+``from_engine_args`` gives every replica its own engine process (ProcessEngine:
+its own model copy, KV cache and step loop; on GPUs its own device, on the CPU
+its share of the cores). The server sees the same interface as one AsyncEngine:
+requests go to the running replica with the fewest live requests, gauges and
+counters are summed, and step observers (the metrics histograms) hear from every
+replica. When a replica's process dies, its requests fail with EngineDeadError,
+the others keep serving, and the replica is started again in the background.
+In-process AsyncEngine replicas (``DataParallelEngine([AsyncEngine, ...])``) work
+too; they are not restarted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+import time
 
 import torch
 
 from rvllm.config import EngineArgs, resolve_device
-from rvllm.engine.async_engine import AsyncEngine, EngineSnapshot, RequestStream, StepObserver
+from rvllm.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineSnapshot,
+    RequestStream,
+    StepObserver,
+)
 from rvllm.engine.llm_engine import PromptType
+from rvllm.engine.process_engine import ProcessEngine
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
+logger = logging.getLogger("rvllm")
+
+Replica = AsyncEngine | ProcessEngine
+
+# Counters that keep counting across a replica's restart (gauges start afresh).
+_COUNTERS = ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
+             "prefix_cache_hits", "num_preemptions")
+
 
 class DataParallelEngine:
-    """Several AsyncEngine replicas presented as one."""
+    """Several engine replicas presented as one."""
 
-    def __init__(self, replicas: list[AsyncEngine]) -> None:
+    def __init__(self, replicas: list[Replica]) -> None:
         if not replicas:
             raise ValueError("data parallelism needs at least one replica.")
         self.replicas = replicas
         self.step_observers: list[StepObserver] = []
+        self.restart_delay = 1.0  # seconds before retrying a replica that failed to start
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}  # live request id -> replica index
         self._load = [0] * len(replicas)
+        self._retired = dict.fromkeys(_COUNTERS, 0)  # counters of replicas since replaced
+        self._stopping = False
+        self._starting: dict[int, ProcessEngine] = {}  # replicas being restarted
         for index, replica in enumerate(replicas):
-            replica.step_observers.append(self._observer(index))
+            self._attach(index, replica)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, data_parallel_size: int) -> DataParallelEngine:
+        """Start ``data_parallel_size`` engine processes side by side; raise the first
+        start-up error (after stopping the others)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
         device = resolve_device(args.device)
         if device.type == "cuda" and data_parallel_size > torch.cuda.device_count():
             raise ValueError(f"data_parallel_size={data_parallel_size} needs as many GPUs; "
                              f"{torch.cuda.device_count()} found.")
+        threads = None
         if device.type == "cpu":
-            # Each replica's loop thread computes with one share of the cores.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // data_parallel_size))
+            threads = max(1, (os.cpu_count() or 1) // data_parallel_size)
         replicas = []
         for rank in range(data_parallel_size):
             replica_args = dataclasses.replace(args)
             if device.type == "cuda":
                 replica_args.device = f"cuda:{rank}"
-            replicas.append(AsyncEngine.from_engine_args(replica_args))
+            replicas.append(ProcessEngine(replica_args, threads))
+        try:
+            for replica in replicas:
+                replica.wait_ready()
+        except BaseException:
+            for replica in replicas:
+                replica.shutdown(timeout=5.0)
+            raise
         return cls(replicas)
 
     # -------------------------------------------------------- AsyncEngine's face
@@ -77,21 +110,24 @@ class DataParallelEngine:
 
     @property
     def is_running(self) -> bool:
-        return all(r.is_running for r in self.replicas)
+        """True while some replica can take requests (others may be restarting)."""
+        return not self._stopping and any(r.is_running for r in self.replicas)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           final_only: bool = False) -> RequestStream:
-        with self._lock:
-            if request_id in self._owner:
-                raise ValueError(f"request id {request_id!r} is already in use.")
-            index = min(range(len(self.replicas)), key=self._load.__getitem__)
-            self._owner[request_id] = index
-            self._load[index] += 1
-        try:
-            return await self.replicas[index].add_request(request_id, prompt, params, final_only)
-        except BaseException:
-            self._release(request_id)
-            raise
+        tried: set[int] = set()
+        while True:
+            index, replica = self._route(request_id, tried)
+            try:
+                return await replica.add_request(request_id, prompt, params, final_only)
+            except EngineDeadError:
+                self._release(request_id)
+                if replica.is_running:
+                    raise
+                tried.add(index)  # it died before taking the request: try another
+            except BaseException:
+                self._release(request_id)
+                raise
 
     # The same stream loop as one engine's, over this class's add_request and abort.
     generate = AsyncEngine.generate
@@ -99,19 +135,28 @@ class DataParallelEngine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             index = self._owner.get(request_id)
-        if index is not None:
-            self.replicas[index].abort(request_id)
+            replica = self.replicas[index] if index is not None else None
+        if replica is not None:
+            replica.abort(request_id)
 
     def snapshot(self) -> EngineSnapshot:
-        snaps = [r.snapshot() for r in self.replicas]
+        with self._lock:
+            replicas = list(self.replicas)
+            retired = dict(self._retired)
+        snaps = [r.snapshot() for r in replicas]
         total = EngineSnapshot(**{f.name: sum(getattr(s, f.name) for s in snaps)
                                   for f in dataclasses.fields(EngineSnapshot)})
+        for name, value in retired.items():
+            setattr(total, name, getattr(total, name) + value)
         blocks = max(1, total.num_blocks)
         total.kv_cache_usage = 1.0 - total.num_free_blocks / blocks
         return total
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        for replica in self.replicas:
+        with self._lock:
+            self._stopping = True
+            replicas = list(self.replicas) + list(self._starting.values())
+        for replica in replicas:
             replica.shutdown(timeout)
 
     def replica_loads(self) -> list[int]:
@@ -121,20 +166,82 @@ class DataParallelEngine:
 
     # ---------------------------------------------------------------- internals
 
+    def _route(self, request_id: str, tried: set[int]) -> tuple[int, Replica]:
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request id {request_id!r} is already in use.")
+            live = [i for i, r in enumerate(self.replicas) if r.is_running and i not in tried]
+            if not live:
+                raise EngineDeadError("no engine replica is running (restarting).")
+            index = min(live, key=self._load.__getitem__)
+            self._owner[request_id] = index
+            self._load[index] += 1
+            return index, self.replicas[index]
+
     def _release(self, request_id: str) -> None:
         with self._lock:
             index = self._owner.pop(request_id, None)
             if index is not None:
                 self._load[index] -= 1
 
-    def _observer(self, index: int) -> StepObserver:
+    def _attach(self, index: int, replica: Replica) -> None:
+        replica.step_observers.append(self._observer(index, replica))
+        if isinstance(replica, ProcessEngine):
+            replica.on_death = lambda dead, error, i=index: self._on_death(i, dead, error)
+
+    def _observer(self, index: int, replica: Replica) -> StepObserver:
         def observe(outputs: list[RequestOutput], aborted: list[str]) -> None:
-            for out in outputs:
-                if out.finished:
-                    self._release(out.request_id)
-            for request_id in aborted:
-                self._release(request_id)
+            with self._lock:
+                current = self.replicas[index] is replica
+            if current:  # a replaced replica's last words must not release the new one's ids
+                for out in outputs:
+                    if out.finished:
+                        self._release(out.request_id)
+                for request_id in aborted:
+                    self._release(request_id)
             for observer in self.step_observers:
                 observer(outputs, aborted)
 
         return observe
+
+    def _on_death(self, index: int, dead: ProcessEngine, error: Exception) -> None:
+        """On the dead replica's reader thread, after its requests were failed."""
+        if self._stopping:
+            return
+        logger.warning("data-parallel replica %d died (%s); restarting it", index, error)
+        threading.Thread(target=self._restart, args=(index, dead), daemon=True,
+                         name=f"rvllm-dp-restart-{index}").start()
+
+    def _restart(self, index: int, dead: ProcessEngine) -> None:
+        dead.shutdown(timeout=5.0)
+        delay = self.restart_delay
+        while not self._stopping:
+            try:
+                replica = ProcessEngine(dead.args, dead.num_threads)
+                with self._lock:
+                    self._starting[index] = replica
+                replica.wait_ready()
+            except Exception:
+                with self._lock:
+                    self._starting.pop(index, None)
+                if self._stopping:
+                    return
+                logger.exception("data-parallel replica %d failed to start; retrying in "
+                                 "%.0fs", index, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 30.0)
+                continue
+            with self._lock:
+                del self._starting[index]
+                stopping = self._stopping
+                if not stopping:
+                    final = dead.snapshot()
+                    for name in _COUNTERS:
+                        self._retired[name] += getattr(final, name)
+                    self._attach(index, replica)
+                    self.replicas[index] = replica
+            if stopping:
+                replica.shutdown(timeout=5.0)
+            else:
+                logger.info("data-parallel replica %d is back (pid %s)", index, replica.pid)
+            return

@@ -78,13 +78,21 @@ class LLMEngine:
             num_gpu_blocks=args.num_gpu_blocks,
             kv_cache_memory_gb=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_reserve_gb=args.gpu_memory_reserve_gb,
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.scheduler_config = _scheduler_config(args, self.model_config.max_model_len)
-        # Sized before loading: tensor-parallel workers need the count to start loading too.
-        num_blocks = determine_num_blocks(self.model_config, self.cache_config,
-                                          self.scheduler_config, self.device)
-        self._check_capacity(num_blocks)
+        # One GPU, no block count given: size the cache from a profiling pass after loading.
+        # Otherwise size it now: tensor-parallel workers need the count to start loading.
+        profile = (self.device.type == "cuda" and args.num_gpu_blocks is None
+                   and args.tensor_parallel_size == 1)
+        num_blocks = 0
+        if not profile:
+            num_blocks = determine_num_blocks(self.model_config, self.cache_config,
+                                              self.scheduler_config, self.device,
+                                              tensor_parallel_size=args.tensor_parallel_size)
+            self._check_capacity(num_blocks)
+        self.kernel_backend = _select_kernels(args.kernel_backend, self.device, dtype)
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
         try:
             self.model = load_model(self.model_config, self.device,
@@ -92,8 +100,16 @@ class LLMEngine:
                                     cpu_linear_backend=args.cpu_linear_backend,
                                     quantization=args.quantization)
             self.runner = ModelRunner(self.model, args.block_size, self.device)
-            self.runner.allocate_kv_cache(num_blocks, self.model_config.num_kv_heads,
+            if profile:
+                num_blocks = self._profile_num_blocks()
+                self._check_capacity(num_blocks)
+            use_graphs = self._use_cuda_graphs()
+            # With graphs, one block past the managed ones takes the padding rows' writes.
+            self.runner.allocate_kv_cache(num_blocks + int(use_graphs),
+                                          self.model_config.num_kv_heads,
                                           self.model_config.head_dim, dtype)
+            if use_graphs:
+                self._capture_decode_graphs(num_blocks)
             if self.tp_group is not None:
                 self.tp_group.wait_ready()
                 self.runner.tp_group = self.tp_group
@@ -118,13 +134,51 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.2fs: %s, %s, linear layers: %s, %d KV blocks of "
-                    "%d tokens", self.startup_seconds, self.model_config.architecture, dtype,
-                    self.model.linear_backend, num_blocks, args.block_size)
+        logger.info("engine ready in %.2fs: %s, %s, kernels: %s, linear layers: %s, %d KV "
+                    "blocks of %d tokens", self.startup_seconds, self.model_config.architecture,
+                    dtype, self.kernel_backend, self.model.linear_backend, num_blocks,
+                    args.block_size)
 
     @property
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
+
+    def _use_cuda_graphs(self) -> bool:
+        args = self.args
+        if self.device.type != "cuda" or args.enforce_eager:
+            reason = "enforce-eager" if args.enforce_eager else "not on CUDA"
+        elif self.kernel_backend != "triton":
+            reason = "the torch kernel backend sizes its work from the batch on the host"
+        elif args.tensor_parallel_size > 1:
+            reason = "not with tensor parallelism yet"
+        else:
+            return True
+        logger.info("CUDA graphs: off (%s)", reason)
+        return False
+
+    def _capture_decode_graphs(self, num_blocks: int) -> None:
+        from rvllm.executor.decode_graphs import DecodeGraphs, parse_capture_sizes
+
+        sizes = parse_capture_sizes(self.args.cuda_graph_sizes,
+                                    self.scheduler_config.max_num_seqs)
+        graphs = DecodeGraphs(self.model, self.device, self.cache_config.block_size,
+                              num_blocks, self.model_config.max_model_len, sizes)
+        graphs.capture()
+        self.runner.decode_graphs = graphs
+
+    def _profile_num_blocks(self) -> int:
+        """Blocks that fit beside the weights and the activations of the largest step."""
+        from rvllm.executor.kv_cache import measure_used_gpu_memory
+
+        sched, mc = self.scheduler_config, self.model_config
+        used = measure_used_gpu_memory(self.device, lambda: self.runner.profile_run(
+            sched.max_num_batched_tokens, sched.max_num_seqs, mc.max_model_len,
+            mc.num_kv_heads, mc.head_dim, mc.dtype))
+        num_blocks = determine_num_blocks(mc, self.cache_config, sched, self.device,
+                                          used_bytes=used)
+        logger.info("profiled peak use %.2f GiB without the KV cache: %d KV blocks fit",
+                    used / 2**30, num_blocks)
+        return num_blocks
 
     def _check_capacity(self, num_blocks: int) -> None:
         capacity = num_blocks * self.cache_config.block_size
@@ -397,6 +451,23 @@ def _visible_text(seq: Sequence) -> str:
         return seq.text
     hold = max(len(s) for s in stops) - 1
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
+
+
+def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose the kernel backend and, for Triton, compile and check every kernel against
+    its reference once, so a broken kernel stops start-up instead of corrupting output."""
+    from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
+
+    backend = resolve_kernel_backend(requested, device)
+    if backend == "triton":
+        from rvllm.kernels import check_kernels
+
+        start = time.perf_counter()
+        checked = check_kernels(device, dtype)
+        logger.info("checked %d Triton kernels against their references in %.1fs",
+                    len(checked), time.perf_counter() - start)
+    set_kernel_backend(backend)
+    return backend
 
 
 def _preemption_mode(args: EngineArgs) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -13,23 +16,73 @@ def bytes_per_block(model: ModelConfig, block_size: int) -> int:
     return model.num_layers * block_size * model.kv_elements_per_token * elem
 
 
+def gpu_kv_budget(total: int, used: int, utilization: float, reserve: int) -> int:
+    """Bytes the KV cache may take on a GPU of ``total`` bytes: the process may grow to
+    ``utilization`` of the card and must leave ``reserve`` bytes free (so utilization 1.0
+    with a reserve is safe), less the ``used`` bytes it holds at its peak without a cache
+    (weights, the activations of the largest step, the CUDA context)."""
+    return int(min(utilization * total, total - reserve) - used)
+
+
+def measure_used_gpu_memory(device: torch.device, profile: Callable[[], None]) -> int:
+    """Peak bytes in use on ``device`` while ``profile`` (a forward pass at the largest
+    step) runs, plus what lives outside PyTorch's allocator (the CUDA context)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    torch.cuda.empty_cache()
+    return peak + outside_torch
+
+
+def estimate_weight_bytes(model: ModelConfig) -> int:
+    """The weights' size before they are loaded: their files on disk (a GGUF's quantized
+    blocks grow when dequantized, so those count at the compute dtype's size per element of
+    a rough parameter count instead)."""
+    path = Path(model.path)
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    if files and model.gguf_file is None:
+        return sum(f.stat().st_size for f in files)
+    h, layers = model.hidden_size, model.num_layers
+    inter = int(model.hf_config.get("intermediate_size") or 4 * h)
+    params = layers * (4 * h * h + 3 * h * inter) + 2 * model.vocab_size * h
+    return params * torch.empty((), dtype=model.dtype).element_size()
+
+
 def determine_num_blocks(model: ModelConfig, cache: CacheConfig, sched: SchedulerConfig,
-                         device: torch.device) -> int:
+                         device: torch.device, used_bytes: int | None = None,
+                         tensor_parallel_size: int = 1) -> int:
+    """``--num-gpu-blocks``, else as many blocks as the memory budget holds: on a GPU,
+    :func:`gpu_kv_budget` with ``used_bytes`` from the profiling pass (or, when the
+    weights are not loaded yet, what is in use now plus this rank's share of them); on
+    the CPU, ``--kv-cache-memory``."""
     if cache.num_gpu_blocks is not None:
         return cache.num_gpu_blocks
     per_block = bytes_per_block(model, cache.block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1.0 - cache.gpu_memory_utilization) * total
+        if used_bytes is None:
+            used_bytes = total - free + estimate_weight_bytes(model) // tensor_parallel_size
+        budget = gpu_kv_budget(total, used_bytes, cache.gpu_memory_utilization,
+                               int(cache.gpu_memory_reserve_gb * (1 << 30)))
     else:
         budget = cache.kv_cache_memory_gb * (1 << 30)
-    num_blocks = int(budget // per_block)
+    return blocks_for_budget(budget, per_block, model, cache, sched)
+
+
+def blocks_for_budget(budget: float, per_block: int, model: ModelConfig, cache: CacheConfig,
+                      sched: SchedulerConfig) -> int:
+    num_blocks = int(max(budget, 0) // per_block)
     # More blocks than every sequence at full length could use only waste memory.
     blocks_per_seq = -(-model.max_model_len // cache.block_size)
     num_blocks = min(num_blocks, sched.max_num_seqs * blocks_per_seq)
     if num_blocks < 1:
         raise ValueError(
-            f"no room for the KV cache: one block needs {per_block / 2**20:.1f} MiB. "
-            "Raise --kv-cache-memory (CPU) or --gpu-memory-utilization (GPU)."
+            f"no room for the KV cache: one block needs {per_block / 2**20:.1f} MiB and "
+            f"{max(budget, 0) / 2**20:.0f} MiB are left. Raise --kv-cache-memory (CPU), or "
+            "--gpu-memory-utilization or lower --gpu-memory-reserve-gb (GPU)."
         )
     return num_blocks

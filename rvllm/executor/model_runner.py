@@ -9,7 +9,13 @@ from torch import nn
 
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rvllm.engine.sequence import Sequence
-from rvllm.forward_context import AttentionMetadata, PrefillSeq, set_forward_context
+from rvllm.forward_context import (
+    AttentionMetadata,
+    PrefillSeq,
+    add_block_tables,
+    set_forward_context,
+)
+from rvllm.layers.backend import use_triton
 from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 
@@ -35,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.tp_group = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
+        self.decode_graphs = None  # DecodeGraphs when decode runs as CUDA graphs
         self.swap_space: list[tuple[torch.Tensor, ...]] = []
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
@@ -59,6 +66,37 @@ class ModelRunner:
                 torch.empty(local, dtype=dtype, device=self.device),
                 torch.empty(local, dtype=dtype, device=self.device),
             )
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int,
+                    num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """One forward pass at the largest step the scheduler can make (``num_tokens``
+        prompt tokens in sequences of at most ``max_model_len``, logits for ``num_seqs``
+        rows) over a throwaway cache, so the activations' peak memory can be measured."""
+        bs = self.block_size
+        lens = [max_model_len] * (num_tokens // max_model_len)
+        if num_tokens % max_model_len:
+            lens.append(num_tokens % max_model_len)
+        num_blocks = sum(-(-n // bs) for n in lens)
+        self.allocate_kv_cache(num_blocks, num_kv_heads, head_dim, dtype)
+        prefills, slots, positions, start, block = [], [], [], 0, 0
+        for n in lens:
+            seq_slots = torch.arange(n, device=self.device) + block * bs
+            prefills.append(PrefillSeq(start, n, 0, seq_slots))
+            slots.append(seq_slots)
+            positions.append(torch.arange(n, device=self.device))
+            start, block = start + n, block + -(-n // bs)
+        metadata = AttentionMetadata(torch.cat(slots), 0, None, None, prefills)
+        if use_triton():
+            add_block_tables(metadata, bs)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        try:
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, torch.cat(positions))
+                self.model.compute_logits(hidden[-min(num_seqs, num_tokens):])
+        finally:
+            for attn in self.model.attention_layers():
+                attn.kv_cache = None
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """A CPU copy of each layer's cache layout, for swap preemption."""
@@ -92,8 +130,14 @@ class ModelRunner:
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
-        input_ids, positions, metadata = self._prepare(decodes, prefills)
         plan = _plan_logits(ordered)
+        graphs = self.decode_graphs
+        if (graphs is not None and not prefills and self.tp_group is None
+                and len(decodes) <= graphs.max_batch and not plan.prompt
+                and plan.rows == list(range(len(decodes)))):
+            logits = graphs.run(*self._decode_host_inputs(decodes))
+            return self._sample(ordered, plan, logits.float())
+        input_ids, positions, metadata = self._prepare(decodes, prefills)
         logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
         if self.tp_group is not None:
             from rvllm.executor.parallel import StepInputs, send_step
@@ -137,8 +181,26 @@ class ModelRunner:
             decode_seq_lens=decode_seq_lens,
             prefills=prefill_meta,
         )
+        if use_triton():
+            add_block_tables(metadata, bs)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), metadata)
+
+    def _decode_host_inputs(self, decodes: list[ScheduledSeq]
+                            ) -> tuple[list[int], list[int], list[int], list[int],
+                                       list[list[int]]]:
+        """Token, position, cache slot, context length and block table of each decode."""
+        bs = self.block_size
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        for s in decodes:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(seq.block_table[: p // bs + 1])
+        return ids, pos, slots, lens, tables
 
     def _decode_gather(self, decodes: list[ScheduledSeq]
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -24,10 +24,14 @@ KERNEL_NAMES = (
 )
 
 
+# (device, dtype, kernel) already checked in this process: once is enough.
+_CHECKED: set[tuple[str, torch.dtype, str]] = set()
+
+
 def check_kernels(device: torch.device | str, dtype: torch.dtype,
                   kernels: Iterable[str] | None = None) -> list[str]:
     """Compile each kernel (all, or those named) and compare it with its reference on a
-    small input; returns the names checked.
+    small input, once per process; returns the names checked.
 
     Raises RuntimeError naming the kernel and what to do when triton is missing, a
     kernel fails to compile or run, or its output does not match.
@@ -42,5 +46,8 @@ def check_kernels(device: torch.device | str, dtype: torch.dtype,
 
     names = list(KERNEL_NAMES if kernels is None else kernels)
     for name in names:
-        run_check(name, torch.device(device), dtype)
+        key = (str(device), dtype, name)
+        if key not in _CHECKED:
+            run_check(name, torch.device(device), dtype)
+            _CHECKED.add(key)
     return names

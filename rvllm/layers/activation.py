@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rvllm.layers.backend import use_triton
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, with gate and up side by side in the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton():
+            from rvllm.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -8,6 +8,11 @@ replace ``forward`` behind the same interface.
 
 ``logits_soft_cap`` (Gemma 2) squashes scores as cap * tanh(score / cap) before the
 softmax; SDPA cannot do that, so those layers take an explicit matmul-softmax path.
+
+With the Triton backend (``layers.backend``) the cache write, and RoPE when the caller
+hands its rotary embedding over, is one fused kernel, and attention reads the paged
+cache directly (paged decode with split-KV, paged prefill); soft-capped layers keep
+the torch path, which the kernels do not cover.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rvllm.forward_context import get_forward_context
+from rvllm.forward_context import AttentionMetadata, get_forward_context
+from rvllm.layers.backend import use_triton
 
 
 class Attention(nn.Module):
@@ -32,12 +38,20 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                positions: torch.Tensor | None = None, rotary: nn.Module | None = None
                 ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq * D]. A layer reading the KV an
-        earlier layer wrote this step (Gemma 4's KV sharing) passes k = v = None."""
+        earlier layer wrote this step (Gemma 4's KV sharing) passes k = v = None. With
+        ``rotary`` (a rotary.RotaryEmbedding) and ``positions``, q and k are rotated here
+        first (fused with the cache write on the Triton path)."""
         ctx = get_forward_context()
         assert self.kv_cache is not None, "KV cache not bound to this layer"
+        if use_triton() and self.logits_soft_cap is None:
+            return self._forward_triton(ctx, q, k, v, positions, rotary)
+        if rotary is not None:
+            assert k is not None and positions is not None
+            q, k = rotary(positions, q, k)
         key_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         value_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         if k is not None and v is not None:
@@ -58,6 +72,35 @@ class Attention(nn.Module):
                 keys = key_flat.index_select(0, p.slots)
                 values = value_flat.index_select(0, p.slots)
             out[rows] = self._prefill(q[rows], keys, values, mask)
+        return out.view(q.shape[0], -1)
+
+    def _forward_triton(self, ctx: AttentionMetadata, q: torch.Tensor, k: torch.Tensor | None,
+                        v: torch.Tensor | None, positions: torch.Tensor | None,
+                        rotary: nn.Module | None) -> torch.Tensor:
+        from rvllm.kernels.decode_attention import paged_decode_attention
+        from rvllm.kernels.prefill_attention import paged_prefill_attention
+        from rvllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
+
+        key_cache, value_cache = self.kv_cache  # type: ignore[misc]
+        if k is not None and v is not None:
+            if rotary is not None:
+                q, k = rotary_embedding_with_kv_cache(
+                    positions, q, k, v, rotary.cos_cache, rotary.sin_cache, key_cache,
+                    value_cache, ctx.slot_mapping)
+            else:
+                key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, k)
+                value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = ctx.num_decode_tokens
+        if nd:
+            out[:nd] = paged_decode_attention(
+                q[:nd], key_cache, value_cache, ctx.decode_block_tables, ctx.decode_lens_i32,
+                self.scale, self.sliding_window)
+        if ctx.prefills:
+            out[nd:] = paged_prefill_attention(
+                q[nd:], key_cache, value_cache, ctx.prefill_block_tables,
+                ctx.prefill_query_start_loc, ctx.prefill_seq_lens, ctx.max_prefill_len,
+                self.scale, self.sliding_window)
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,

@@ -1,0 +1,71 @@
+"""KV-cache sizing: the budget arithmetic (pure logic, as on a GPU) and the profiling pass
+that measures the activations of the largest step (runs on the CPU too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import greedy, make_prompts, reference
+
+from rvllm import LLM
+from rvllm.cli import build_parser
+from rvllm.cli_args import engine_args_from_namespace
+from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from rvllm.executor.kv_cache import (
+    blocks_for_budget,
+    bytes_per_block,
+    estimate_weight_bytes,
+    gpu_kv_budget,
+)
+
+GiB = 1 << 30
+
+
+def test_budget_is_the_smaller_of_utilization_and_reserve_less_the_peak() -> None:
+    assert gpu_kv_budget(100 * GiB, 20 * GiB, 0.9, 0) == 70 * GiB
+    # Utilization 1.0 is safe with a reserve: the reserve wins.
+    assert gpu_kv_budget(100 * GiB, 20 * GiB, 1.0, 2 * GiB) == 78 * GiB
+    # A reserve below what utilization already leaves free changes nothing.
+    assert gpu_kv_budget(100 * GiB, 20 * GiB, 0.9, 5 * GiB) == 70 * GiB
+    assert gpu_kv_budget(100 * GiB, 95 * GiB, 0.9, 0) < 0
+
+
+def test_blocks_for_budget_caps_at_what_the_sequences_can_use(llama_dir: Path) -> None:
+    model = ModelConfig.from_path(str(llama_dir), torch.float32, 128)
+    cache = CacheConfig(block_size=16)
+    per_block = bytes_per_block(model, 16)
+    sched = SchedulerConfig(max_num_seqs=4)
+    assert blocks_for_budget(10 * per_block + 5, per_block, model, cache, sched) == 10
+    assert blocks_for_budget(10**6 * per_block, per_block, model, cache, sched) == 4 * 8
+    with pytest.raises(ValueError, match="gpu-memory-reserve-gb"):
+        blocks_for_budget(-5.0, per_block, model, cache, sched)
+
+
+def test_weight_estimate_is_the_checkpoint_size(llama_dir: Path) -> None:
+    model = ModelConfig.from_path(str(llama_dir), torch.float32, 128)
+    size = sum(f.stat().st_size for f in llama_dir.glob("*.safetensors"))
+    assert estimate_weight_bytes(model) == size
+
+
+def test_reserve_flag_reaches_the_cache_config() -> None:
+    ns = build_parser().parse_args(["serve", "--gpu-memory-utilization", "1.0",
+                                    "--gpu-memory-reserve-gb", "2.5"])
+    args = engine_args_from_namespace(ns)
+    assert args.gpu_memory_utilization == 1.0 and args.gpu_memory_reserve_gb == 2.5
+    with pytest.raises(ValueError, match="gpu_memory_reserve_gb"):
+        CacheConfig(gpu_memory_reserve_gb=-1)
+
+
+def test_profile_run_covers_the_largest_step_and_leaves_no_cache(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=128, max_num_batched_tokens=300)
+    engine, runner = llm.engine, llm.engine.runner
+    mc = engine.model_config
+    caches = [attn.kv_cache for attn in engine.model.attention_layers()]
+    # 300 tokens in sequences of at most 128 (128 + 128 + 44), logits for 8 rows.
+    runner.profile_run(300, 8, 128, mc.num_kv_heads, mc.head_dim, mc.dtype)
+    assert all(attn.kv_cache is None for attn in engine.model.attention_layers())
+    for attn, cache in zip(engine.model.attention_layers(), caches):
+        attn.kv_cache = cache
+    assert greedy(llm, make_prompts()) == reference(llama_dir)

@@ -1,0 +1,114 @@
+"""The engine on the Triton kernels gives the same greedy tokens as on plain torch (and so
+as transformers). Without CUDA the kernels run in Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # triton.jit reads this when a kernel module is imported, which the engine does lazily.
+    if any(name.startswith("rvllm.kernels.") for name in sys.modules) and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("rvllm.kernels was imported before TRITON_INTERPRET=1 was set.")
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from test_engine import greedy, make_prompts, reference  # noqa: E402
+
+from rvllm import LLM, SamplingParams  # noqa: E402
+from rvllm.layers.backend import resolve_kernel_backend, use_triton  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _back_to_torch():
+    yield
+    from rvllm.layers.backend import set_kernel_backend
+
+    set_kernel_backend("torch")  # later tests in this process build torch engines
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral",
+                                  pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_triton_path_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]), kernel_backend="triton")
+    assert llm.engine.kernel_backend == "triton" and use_triton()
+    assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
+
+
+def test_triton_path_under_chunked_prefill_prefix_hits_and_preemption(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), kernel_backend="triton", num_gpu_blocks=16, max_model_len=128,
+              block_size=8, max_num_batched_tokens=24)
+    prompts = make_prompts()
+    assert greedy(llm, prompts) == reference(llama_dir)
+    assert llm.engine.scheduler.num_preemptions > 0
+    # The same prompts again: their full blocks now come from the prefix cache.
+    assert greedy(llm, prompts) == reference(llama_dir)
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+
+
+def test_triton_greedy_sampling_returns_the_logprob(llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    torch_out = LLM(str(llama_dir), kernel_backend="torch").generate([[5, 6, 7]], params)[0]
+    triton_out = LLM(str(llama_dir), kernel_backend="triton").generate([[5, 6, 7]], params)[0]
+    assert triton_out.outputs[0].token_ids == torch_out.outputs[0].token_ids
+    assert triton_out.outputs[0].cumulative_logprob == pytest.approx(
+        torch_out.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_auto_is_torch_on_the_cpu() -> None:
+    assert resolve_kernel_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_kernel_backend("triton", torch.device("cpu"))
+
+
+def test_decode_graph_forward_with_padding_matches_transformers(llama_dir: Path) -> None:
+    """The runner's graph path on the CPU: each 'replay' reruns the captured forward on the
+    static buffers, so padding rows (scratch-block writes, zero lengths) and the buffer
+    handling are exercised exactly as on a GPU; only the capture itself needs CUDA."""
+    from rvllm.executor.decode_graphs import DecodeGraphs
+
+    num_blocks, block_size = 64, 8
+    llm = LLM(str(llama_dir), kernel_backend="triton", num_gpu_blocks=num_blocks,
+              block_size=block_size, max_model_len=128)
+    engine = llm.engine
+    mc = engine.model_config
+    engine.runner.allocate_kv_cache(num_blocks + 1, mc.num_kv_heads, mc.head_dim, mc.dtype)
+    graphs = DecodeGraphs(engine.model, torch.device("cpu"), block_size, num_blocks, 128,
+                          [1, 2, 4, 8])
+    replays = []
+
+    def capture_one(inputs):
+        out = graphs._forward(inputs)
+
+        def replay() -> None:
+            replays.append(inputs["input_ids"].shape[0])
+            out.copy_(graphs._forward(inputs))
+        return replay, out
+
+    graphs.runner._capture_one = capture_one
+    graphs.capture()
+    engine.runner.decode_graphs = graphs
+    prompts = make_prompts()  # 8 prompts: decode batches of 8, then fewer as they finish
+    assert greedy(llm, prompts) == reference(llama_dir)
+    assert replays and set(replays) <= {1, 2, 4, 8}
+    # A batch of 3 replays the graph of 4: one padding row.
+    assert greedy(llm, prompts[:3]) == [r for r in reference(llama_dir)[:3]]
+    assert replays[-1] == 4
+
+
+def test_cuda_graph_sizes_flag() -> None:
+    from rvllm.executor.decode_graphs import parse_capture_sizes
+
+    assert parse_capture_sizes(None, 20) == [1, 2, 4, 8, 16, 20]
+    assert parse_capture_sizes("1,4,64", 32) == [1, 4]
+    with pytest.raises(ValueError, match="cuda-graph-sizes"):
+        parse_capture_sizes("1,x", 8)
