@@ -153,15 +153,7 @@ class ModelRunner:
     def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for s in decodes:
-            seq = s.seq
-            p = seq.num_computed_tokens
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        ids, pos, slots, _, _ = self._decode_host_inputs(decodes)
         prefill_meta: list[PrefillSeq] = []
         for s in prefills:
             seq, ctx, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens

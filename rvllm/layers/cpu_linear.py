@@ -117,6 +117,9 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         if len(on_cpu) != len(targets):
             raise ValueError(f"--quantization {quantization} is a CPU path (fbgemm); on a "
                              "GPU run without it")
+        if any(m.weight.dtype != torch.float32 for m in on_cpu):
+            raise ValueError(f"--quantization {quantization} computes in float32 on the CPU; "
+                             "run it with --dtype float32 (the CPU default)")
         if not int8_available():
             raise RuntimeError(f"--quantization {quantization} needs torch's fbgemm "
                                "quantized engine, which this torch build lacks")
