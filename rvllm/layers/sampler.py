@@ -228,6 +228,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
+def _exponential(shape: Sequence[int], like: torch.Tensor,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exponential(1) draws as -log(U), U ~ Uniform[0, 1): the same distribution as
+    ``Tensor.exponential_``, which is about 5x slower on the CPU (33 ms for a 32 x 49152
+    batch here, a tenth of a decode step)."""
+    u = torch.rand(tuple(shape), dtype=like.dtype, device=like.device, generator=generator)
+    return u.log_().neg_()
+
+
 def exponential_race(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
@@ -241,14 +250,12 @@ def exponential_race(
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        q.exponential_()
+        q = _exponential(probs.shape, probs)
     elif unseeded:
-        q[_index_tensor(unseeded, q)] = torch.empty(
-            len(unseeded), probs.shape[1], dtype=q.dtype, device=q.device
-        ).exponential_()
+        q[_index_tensor(unseeded, q)] = _exponential((len(unseeded), probs.shape[1]), probs)
     for i, g in enumerate(generators):
         if g is not None:
-            q[i].exponential_(generator=g)
+            q[i] = _exponential(probs.shape[1:], probs, g)
     # q can be exactly 0; 0/0 would be NaN and argmax would pick a masked id.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
