@@ -29,6 +29,7 @@ from rvllm.bench.serve import (
     request_payload,
     run_load,
     send_request,
+    workload_config,
 )
 from rvllm.bench.stats import serve_metrics, throughput
 
@@ -97,14 +98,7 @@ def run_race(ns: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "race",
         "engine": ns.label,
         "server_cmd": ns.server_cmd,
-        "config": {"endpoint": ns.endpoint, "dataset": ns.dataset,
-                   "num_prompts": ns.num_prompts, "max_concurrency": ns.max_concurrency,
-                   "request_rate": str(ns.request_rate), "random_input_len":
-                   ns.random_input_len, "random_output_len": ns.random_output_len,
-                   "random_range_ratio": ns.random_range_ratio,
-                   "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
-                   "ignore_eos": ns.ignore_eos,
-                   "seed": ns.seed},
+        "config": workload_config(ns),
         "machine": machine_info(),
         "phases": phases,
         "launch_to_finished_tok_s": throughput(total_tokens, phases["launch_to_finished_s"]),

@@ -241,18 +241,22 @@ def run_serve_bench(ns: argparse.Namespace) -> dict[str, Any]:
         "engine": ns.label,
         "base_url": ns.base_url,
         "model": model,
-        "config": {"endpoint": ns.endpoint, "dataset": ns.dataset,
-                   "num_prompts": ns.num_prompts, "max_concurrency": ns.max_concurrency,
-                   "request_rate": str(ns.request_rate), "random_input_len":
-                   ns.random_input_len, "random_output_len": ns.random_output_len,
-                   "random_range_ratio": ns.random_range_ratio,
-                   "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
-                   "ignore_eos": ns.ignore_eos,
-                   "seed": ns.seed},
+        "config": workload_config(ns),
         "machine": machine_info(),
         "metrics": serve_metrics(timings, duration),
         "errors": errors[:10],
     }
+
+
+def workload_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """The workload flags, as recorded in the serve and race JSON."""
+    return {"endpoint": ns.endpoint, "dataset": ns.dataset, "num_prompts": ns.num_prompts,
+            "max_concurrency": ns.max_concurrency, "request_rate": str(ns.request_rate),
+            "random_input_len": ns.random_input_len,
+            "random_output_len": ns.random_output_len,
+            "random_range_ratio": ns.random_range_ratio,
+            "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
+            "ignore_eos": ns.ignore_eos, "seed": ns.seed}
 
 
 def print_serve_result(result: dict[str, Any]) -> None:

@@ -135,7 +135,7 @@ class ModelRunner:
         if (graphs is not None and not prefills and self.tp_group is None
                 and len(decodes) <= graphs.max_batch and not plan.prompt
                 and plan.rows == list(range(len(decodes)))):
-            logits = graphs.run(*self._decode_host_inputs(decodes))
+            logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
         input_ids, positions, metadata = self._prepare(decodes, prefills)
         logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
@@ -153,7 +153,7 @@ class ModelRunner:
     def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        ids, pos, slots, _, _ = self._decode_host_inputs(decodes)
+        ids, pos, slots = self._decode_inputs(decodes)
         prefill_meta: list[PrefillSeq] = []
         for s in prefills:
             seq, ctx, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
@@ -178,21 +178,25 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), metadata)
 
-    def _decode_host_inputs(self, decodes: list[ScheduledSeq]
-                            ) -> tuple[list[int], list[int], list[int], list[int],
-                                       list[list[int]]]:
-        """Token, position, cache slot, context length and block table of each decode."""
+    def _decode_inputs(self, decodes: list[ScheduledSeq]
+                       ) -> tuple[list[int], list[int], list[int]]:
+        """Token, position and cache slot of each decode's new token."""
         bs = self.block_size
-        ids, pos, slots, lens, tables = [], [], [], [], []
+        ids, pos, slots = [], [], []
         for s in decodes:
             seq = s.seq
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            tables.append(seq.block_table[: p // bs + 1])
-        return ids, pos, slots, lens, tables
+        return ids, pos, slots
+
+    def _run_decode_graph(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits of a decode-only step, replayed from the captured CUDA graphs."""
+        bs = self.block_size
+        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        tables = [s.seq.block_table[: (n - 1) // bs + 1] for s, n in zip(decodes, lens)]
+        return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
 
     def _decode_gather(self, decodes: list[ScheduledSeq]
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
