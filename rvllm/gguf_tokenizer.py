@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from rvllm.models.gguf_loader import GGUFFile
+from rvllm.models.gguf_loader import GGUFFile, open_gguf
 
 if TYPE_CHECKING:
     from rvllm.tokenizer import Tokenizer
@@ -333,7 +333,7 @@ def tokenizer_from_gguf(source: "str | os.PathLike[str] | GGUFFile") -> "Tokeniz
     # Imported here so rvllm.tokenizer may itself dispatch to this module for .gguf paths.
     from rvllm.tokenizer import Tokenizer
 
-    gguf = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    gguf = open_gguf(source)
     meta = gguf.metadata
     try:
         backend = build_gguf_backend(meta)

@@ -18,7 +18,7 @@ from rvllm.models.default_model import (
     resolve_gguf_path,
 )
 from rvllm.models.dequant import dequantize
-from rvllm.models.gguf_loader import GGUFFile, iter_gguf_tensors, load_gguf_config
+from rvllm.models.gguf_loader import GGUFFile, iter_gguf_tensors, load_gguf_config, open_gguf
 
 TEXTS = [
     "Hello world",
@@ -434,6 +434,28 @@ def test_absurd_counts_fail_fast_without_allocating(tmp_path: Path) -> None:
     bad.write_bytes(gguf_header(1 << 62, 1 << 62) + huge_array)
     with pytest.raises(ValueError, match="more than the file holds"):
         GGUFFile(bad)
+
+
+def test_string_array_that_is_not_utf8_raises_value_error(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    strings = struct.pack("<Q", 2) + b"ok" + struct.pack("<Q", 2) + b"\xff\xfe"
+    entry = struct.pack("<Q", 3) + b"key" + struct.pack("<IIQ", 9, 8, 2) + strings
+    bad.write_bytes(gguf_header(0, 1) + entry)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        GGUFFile(bad)
+
+
+def test_open_gguf_parses_a_file_once_and_again_after_it_changes(tiny_ggufs, tmp_path: Path
+                                                                  ) -> None:
+    path, _ = tiny_ggufs["llama"]
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(path.read_bytes())
+    first = open_gguf(copy)
+    assert open_gguf(str(copy)) is first
+    assert first.metadata["tokenizer.ggml.tokens"] == GGUFFile(path).metadata[
+        "tokenizer.ggml.tokens"]
+    copy.write_bytes(path.read_bytes() + bytes(32))  # a different size: a changed file
+    assert open_gguf(copy) is not first
 
 
 def test_unsupported_architecture_raises_value_error(tmp_path: Path) -> None:
