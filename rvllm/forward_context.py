@@ -50,7 +50,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decodes, max_len] gather index into the cache
     decode_seq_lens: torch.Tensor | None  # [num_decodes] context length including the new token
     prefills: list[PrefillSeq]
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     # The paged kernels' view of the same step (add_block_tables fills these).
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_lens_i32: torch.Tensor | None = None  # [num_decodes] int32
@@ -59,8 +59,11 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int32: cached + new
     max_prefill_len: int = 0
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, max_len] bool, True = attend."""
+    def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """[num_decodes, 1, 1, max_len] additive mask (0 = attend, -inf = not), or None when
+        every decode attends to every gathered position (no padding, no window). Additive
+        in the compute dtype because SDPA turns a bool mask into exactly that, once per
+        call; here it is built once per step."""
         if window not in self._decode_masks:
             assert self.decode_slots is not None and self.decode_seq_lens is not None
             max_len = self.decode_slots.shape[1]
@@ -69,7 +72,12 @@ class AttentionMetadata:
             mask = k_pos <= last
             if window is not None:
                 mask &= k_pos > last - window
-            self._decode_masks[window] = mask[:, None, None, :]
+            if bool(mask.all()):
+                self._decode_masks[window] = None
+            else:
+                additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+                additive.masked_fill_(~mask, float("-inf"))
+                self._decode_masks[window] = additive[:, None, None, :]
         return self._decode_masks[window]
 
 

@@ -58,11 +58,14 @@ class Attention(nn.Module):
             key_flat.index_copy_(0, ctx.slot_mapping, k)
             value_flat.index_copy_(0, ctx.slot_mapping, v)
 
-        out = torch.empty_like(q)
         nd = ctx.num_decode_tokens
+        if nd and not ctx.prefills:
+            return self._decode(q, key_flat, value_flat, ctx.decode_slots,
+                                ctx.decode_mask(self.sliding_window, q.dtype)).reshape(nd, -1)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], key_flat, value_flat, ctx.decode_slots,
-                                    ctx.decode_mask(self.sliding_window))
+                                    ctx.decode_mask(self.sliding_window, q.dtype))
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             mask = p.mask(self.sliding_window)
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
-                slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # index_select on the flattened slots is several times faster than indexing with
         # the [B, L] tensor itself on the CPU.
         b, n = slots.shape
@@ -117,21 +120,25 @@ class Attention(nn.Module):
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
         out = self._attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                           values.transpose(0, 1).unsqueeze(0), mask)
+                           values.transpose(0, 1).unsqueeze(0), mask, causal=mask is None)
         return out.squeeze(0).transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """q: [B, Hq, Lq, D]; k, v: [B, Hk, Lk, D]; ``mask`` None means causal, Lq == Lk."""
+                mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        """q: [B, Hq, Lq, D]; k, v: [B, Hk, Lk, D]. ``mask``: bool (True = attend), additive,
+        or None; ``causal`` (Lq == Lk, no mask) masks the future."""
         if self.logits_soft_cap is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                   scale=self.scale, enable_gqa=True)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
-        if mask is None:
+        if causal:
             mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)

@@ -89,6 +89,11 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         y = torch.ops.quantized.linear_dynamic_fp16(x2, module.packed_weight)
         if bias is not None:
             y = y + bias
+    elif x2.shape[0] == 1:
+        # One row: fbgemm's per-input scale is already per token.
+        y = torch.ops.quantized.linear_dynamic(x2, module.packed_weight, True)
+        if bias is not None:
+            y = y + bias
     else:
         # fbgemm quantizes the whole input with one scale; dividing each row by its own
         # largest magnitude first (and multiplying the output back) makes that per token.

@@ -41,7 +41,7 @@ class LatentAttention(Attention):
         if nd:
             keys = flat[ctx.decode_slots].transpose(1, 2)  # [B, 1, L, r + rope]
             out[:nd] = self._attend(q[:nd].unsqueeze(2), keys, keys[..., :rank],
-                                    ctx.decode_mask(None)).squeeze(2)
+                                    ctx.decode_mask(None, q.dtype)).squeeze(2)
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             mask = p.mask(None)
