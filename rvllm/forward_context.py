@@ -58,6 +58,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int32: cached + new
     max_prefill_len: int = 0
+    # ragged_decode()'s answer, once computed: False = not computed yet.
+    _ragged: tuple[torch.Tensor, list[int]] | None | bool = False
 
     def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """[num_decodes, 1, 1, max_len] additive mask (0 = attend, -inf = not), or None when
@@ -79,6 +81,27 @@ class AttentionMetadata:
                 additive.masked_fill_(~mask, float("-inf"))
                 self._decode_masks[window] = additive[:, None, None, :]
         return self._decode_masks[window]
+
+
+    def ragged_decode(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The decodes' context slots without the padding, one sequence after another, and
+        each one's length; None when the padding costs less than attending to each sequence
+        on its own (one call each instead of one for the batch)."""
+        if self._ragged is False:
+            self._ragged = None
+            slots, lens = self.decode_slots, self.decode_seq_lens
+            if slots is not None and lens is not None and slots.shape[0] > 1:
+                lengths = lens.tolist()
+                padding = slots.shape[0] * slots.shape[1] - sum(lengths)
+                if padding > RAGGED_MIN_PADDING_PER_ROW * len(lengths):
+                    keep = torch.arange(slots.shape[1], device=slots.device) < lens[:, None]
+                    self._ragged = (slots[keep], lengths)
+        return self._ragged  # type: ignore[return-value]
+
+
+# Padding rows (tokens per decoding sequence, on average) past which the CPU attends to
+# each sequence on its own: one SDPA call costs about as much as reading this many keys.
+RAGGED_MIN_PADDING_PER_ROW = 64
 
 
 def add_block_tables(md: AttentionMetadata, block_size: int) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rvllm.forward_context import AttentionMetadata
+from rvllm import forward_context
+from rvllm.forward_context import AttentionMetadata, set_forward_context
+from rvllm.layers.attention import Attention
 from rvllm.layers.norm import RMSNorm
 
 
@@ -44,3 +47,53 @@ def test_decode_mask_is_additive_minus_inf_past_each_rows_length() -> None:
     assert mask is not None and mask.shape == (2, 1, 1, 4) and mask.dtype == torch.float32
     assert mask[0, 0, 0].tolist() == [0.0, 0.0, -torch.inf, -torch.inf]
     assert mask[1, 0, 0].tolist() == [0.0] * 4
+
+
+def decode_step(lens: list[int], block_size: int = 4) -> AttentionMetadata:
+    """Decode metadata for sequences laid out one after another in the cache."""
+    rows, start = [], 0
+    for n in lens:
+        pos = torch.minimum(torch.arange(max(lens)), torch.tensor(n - 1))
+        rows.append(start + pos)
+        start += -(-n // block_size) * block_size
+    slots = torch.stack(rows)
+    return AttentionMetadata(slots[:, -1].clone(), len(lens), slots, torch.tensor(lens), [])
+
+
+def reference_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor, n: int, scale: float, window: int | None,
+                     cap: float | None) -> torch.Tensor:
+    """One sequence, written out: q [Hq, D] against its first n slots."""
+    first = 0 if window is None else max(0, n - window)
+    k, v = keys[slots[first:n]], values[slots[first:n]]  # [L, Hk, D]
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q, k) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    return torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("ragged", [True, False])
+def test_decode_attention_matches_each_sequence_written_out(
+        window: int | None, cap: float | None, ragged: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ragged: one call per sequence over its own slots; padded: one masked batched call.
+    monkeypatch.setattr(forward_context, "RAGGED_MIN_PADDING_PER_ROW", 0 if ragged else 10**9)
+    gen = torch.Generator().manual_seed(1)
+    lens = [3, 17, 9, 1]
+    md = decode_step(lens)
+    attn = Attention(num_heads=6, head_dim=8, num_kv_heads=2, scale=8**-0.5,
+                     sliding_window=window, logits_soft_cap=cap)
+    cache = torch.randn(2, 16, 4, 2, 8, generator=gen)
+    attn.kv_cache = (cache[0], cache[1])
+    q = torch.randn(len(lens), 6, 8, generator=gen)
+    k, v = torch.randn(len(lens), 2, 8, generator=gen), torch.randn(len(lens), 2, 8, generator=gen)
+    with set_forward_context(md):
+        got = attn(q, k, v).view(len(lens), 6, 8)
+    assert (md.ragged_decode() is not None) == ragged
+    keys, values = cache[0].view(-1, 2, 8), cache[1].view(-1, 2, 8)
+    for i, n in enumerate(lens):
+        want = reference_decode(q[i], keys, values, md.decode_slots[i], n, 8**-0.5, window, cap)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)

@@ -60,12 +60,10 @@ class Attention(nn.Module):
 
         nd = ctx.num_decode_tokens
         if nd and not ctx.prefills:
-            return self._decode(q, key_flat, value_flat, ctx.decode_slots,
-                                ctx.decode_mask(self.sliding_window, q.dtype)).reshape(nd, -1)
+            return self._decode(ctx, q, key_flat, value_flat).reshape(nd, -1)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], key_flat, value_flat, ctx.decode_slots,
-                                    ctx.decode_mask(self.sliding_window, q.dtype))
+            out[:nd] = self._decode(ctx, q[:nd], key_flat, value_flat)
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             mask = p.mask(self.sliding_window)
@@ -106,16 +104,39 @@ class Attention(nn.Module):
                 self.scale, self.sliding_window)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
-                slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, ctx: AttentionMetadata, q: torch.Tensor, key_flat: torch.Tensor,
+                value_flat: torch.Tensor) -> torch.Tensor:
+        """q: [B, Hq, D], one new token per sequence, against each one's whole context."""
+        ragged = ctx.ragged_decode()
+        if ragged is not None:
+            return self._decode_ragged(q, key_flat, value_flat, *ragged)
         # index_select on the flattened slots is several times faster than indexing with
         # the [B, L] tensor itself on the CPU.
+        slots = ctx.decode_slots
+        assert slots is not None
         b, n = slots.shape
         flat = slots.view(-1)
         keys = key_flat.index_select(0, flat).view(b, n, *key_flat.shape[1:]).transpose(1, 2)
         values = value_flat.index_select(0, flat).view(b, n, *value_flat.shape[1:])
         values = values.transpose(1, 2)  # [B, Hk, L, D]
+        mask = ctx.decode_mask(self.sliding_window, q.dtype)
         return self._attend(q.unsqueeze(2), keys, values, mask).squeeze(2)
+
+    def _decode_ragged(self, q: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
+                       slots: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Decode attention one sequence at a time over its own context, unpadded: for
+        batches of mixed lengths, reading no padding beats one batched call."""
+        keys = key_flat.index_select(0, slots)  # [sum(lens), Hk, D]
+        values = value_flat.index_select(0, slots)
+        out = torch.empty_like(q)
+        start, window = 0, self.sliding_window
+        for i, n in enumerate(lens):
+            first = start if window is None else max(start, start + n - window)
+            k = keys[first : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
+            v = values[first : start + n].transpose(0, 1).unsqueeze(0)
+            out[i] = self._attend(q[i, None, :, None], k, v, None)[0, :, 0]
+            start += n
+        return out
 
     def _prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
