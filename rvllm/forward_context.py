@@ -82,7 +82,6 @@ class AttentionMetadata:
                 self._decode_masks[window] = additive[:, None, None, :]
         return self._decode_masks[window]
 
-
     def ragged_decode(self) -> tuple[torch.Tensor, list[int]] | None:
         """The decodes' context slots without the padding, one sequence after another, and
         each one's length; None when the padding costs less than attending to each sequence
@@ -90,7 +89,9 @@ class AttentionMetadata:
         if self._ragged is False:
             self._ragged = None
             slots, lens = self.decode_slots, self.decode_seq_lens
-            if slots is not None and lens is not None and slots.shape[0] > 1:
+            # On a GPU one batched call wins whatever the padding (and tolist() would sync).
+            if (slots is not None and lens is not None and slots.shape[0] > 1
+                    and slots.device.type == "cpu"):
                 lengths = lens.tolist()
                 padding = slots.shape[0] * slots.shape[1] - sum(lengths)
                 if padding > RAGGED_MIN_PADDING_PER_ROW * len(lengths):
