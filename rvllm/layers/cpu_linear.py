@@ -85,22 +85,19 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if kind == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [], "")
-    elif kind == "fp16":
+        return y.view(*lead, y.shape[-1])
+    if kind == "fp16":
         y = torch.ops.quantized.linear_dynamic_fp16(x2, module.packed_weight)
-        if bias is not None:
-            y = y + bias
     elif x2.shape[0] == 1:
         # One row: fbgemm's per-input scale is already per token.
         y = torch.ops.quantized.linear_dynamic(x2, module.packed_weight, True)
-        if bias is not None:
-            y = y + bias
     else:
         # fbgemm quantizes the whole input with one scale; dividing each row by its own
         # largest magnitude first (and multiplying the output back) makes that per token.
         s = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-10)
         y = torch.ops.quantized.linear_dynamic(x2 / s, module.packed_weight, True).mul_(s)
-        if bias is not None:
-            y = y + bias
+    if bias is not None:
+        y = y + bias
     return y.view(*lead, y.shape[-1])
 
 
