@@ -46,10 +46,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (for benchmarks)")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="no tokenizer: prompts and outputs are token ids")
-    g.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], default="auto",
+    g.add_argument("--kernel-backend", choices=["auto", "torch", "triton", "numba"],
+                   default="auto",
                    help="triton: fused Triton kernels (norm, RoPE + KV write, paged "
                         "attention, SiLU*mul, greedy sampling), checked at start-up; "
-                        "torch: plain PyTorch; auto = triton on CUDA, torch on CPU")
+                        "numba: paged decode attention on the CPU (float32); torch: plain "
+                        "PyTorch; auto = triton on CUDA, numba on the CPU in float32, else "
+                        "torch")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every decode step eagerly")
     g.add_argument("--cuda-graph-sizes", nargs="+", default=None,

@@ -236,7 +236,7 @@ class EngineArgs:
     preemption_mode: str | None = None  # recompute | swap (default: swap when swap space exists)
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights)
     skip_tokenizer_init: bool = False
-    kernel_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
+    kernel_backend: str = "auto"  # auto | torch | triton | numba (see layers.backend)
     enforce_eager: bool = False  # no CUDA graphs for decode
     cuda_graph_sizes: str | None = None  # "1,2,4,8,..." (default: 1, 2, 4, 8, every 8)
     cpu_linear_backend: str = "auto"  # auto | onednn | torch (float32 linear layers on CPU)

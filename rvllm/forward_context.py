@@ -51,8 +51,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] context length including the new token
     prefills: list[PrefillSeq]
     _decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-    # The paged kernels' view of the same step (add_block_tables fills these).
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    # The paged kernels' view of the same step: the model runner gives the decodes' block
+    # tables (int64); add_block_tables fills the rest, all int32, for the Triton kernels.
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_lens_i32: torch.Tensor | None = None  # [num_decodes] int32
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
@@ -105,13 +106,19 @@ class AttentionMetadata:
 RAGGED_MIN_PADDING_PER_ROW = 64
 
 
+def decode_block_tables(md: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """The decodes' block tables, from the slot lists the torch path reads (so the
+    tensor-parallel wire carries one form only). A decode row's padding repeats its last
+    real slot, so its padded table entries name a real block."""
+    assert md.decode_slots is not None
+    return md.decode_slots[:, ::block_size] // block_size
+
+
 def add_block_tables(md: AttentionMetadata, block_size: int) -> None:
-    """Fill the block-table fields the paged Triton kernels read, from the slot lists the
-    torch path reads (so the tensor-parallel wire carries one form only). A decode row's
-    padding repeats its last real slot, so its padded table entries name a real block."""
+    """Fill the block-table fields the paged Triton kernels read, all int32."""
     if md.num_decode_tokens:
-        assert md.decode_slots is not None and md.decode_seq_lens is not None
-        md.decode_block_tables = (md.decode_slots[:, ::block_size] // block_size).int()
+        assert md.decode_seq_lens is not None
+        md.decode_block_tables = decode_block_tables(md, block_size).int()
         md.decode_lens_i32 = md.decode_seq_lens.int()
     if md.prefills:
         device = md.slot_mapping.device

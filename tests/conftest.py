@@ -79,6 +79,19 @@ def build_model(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0) 
     return out_dir
 
 
+@pytest.fixture
+def kernel_backend(request: pytest.FixtureRequest):
+    """Run a layer-level test under one kernel backend (parametrize it indirectly; torch
+    by default): an engine built earlier in this process may have chosen another. The
+    previous choice comes back after."""
+    from rvllm.layers import backend
+
+    previous = backend._STATE["backend"]
+    backend.set_kernel_backend(getattr(request, "param", "torch"))
+    yield backend._STATE["backend"]
+    backend.set_kernel_backend(previous)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

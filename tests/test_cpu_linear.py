@@ -27,6 +27,8 @@ from rvllm.layers.linear import (
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 needs_fbgemm = pytest.mark.skipif(not int8_available(), reason="torch built without fbgemm")
+# Plain torch kernels unless a test asks for numba's (which add the one-row GEMV).
+pytestmark = pytest.mark.usefixtures("kernel_backend")
 
 
 class Block(nn.Module):
@@ -100,6 +102,35 @@ def test_int8_path_equals_its_plain_torch_reference(rows: int) -> None:
         # One quantization step of an input can round the other way: allow a few of them.
         tol = 3 * want.abs().max().item() / 127
         torch.testing.assert_close(got, want, rtol=0, atol=tol)
+
+
+@needs_onednn
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_one_row_gemv_equals_f_linear_and_more_rows_use_onednn(kernel_backend) -> None:
+    block = Block()
+    inputs_by_rows = {rows: inputs(rows) for rows in (1, 4)}
+    expected = {rows: block.references(x, h, lambda w: w.clone())
+                for rows, (x, h) in inputs_by_rows.items()}
+    assert prepare_linear_weights(block, "auto") == "onednn"
+    assert block.col.gemv_weight.shape == (24, 48)  # the row-major copy kept for one row
+    for rows, (x, h) in inputs_by_rows.items():
+        for got, want in zip(block.outputs(x, h), expected[rows]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_one_row_int8_gemv_is_f_linear_on_the_dequantized_weight(kernel_backend) -> None:
+    block = Block()
+    x, h = inputs(1)
+    layers = [block.qkv, block.gate_up, block.col, block.row, block.lm_head]
+    expected = []
+    for layer, inp in zip(layers, [x, x, x, h, x]):
+        q, scale = quantize_int8(layer.weight)
+        expected.append(F.linear(inp, q.float() * scale[:, None], layer.bias))
+    assert prepare_linear_weights(block, "auto", "int8") == "int8"
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_int8_quantization_is_per_output_row_and_symmetric() -> None:

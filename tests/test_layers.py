@@ -50,14 +50,20 @@ def test_decode_mask_is_additive_minus_inf_past_each_rows_length() -> None:
 
 
 def decode_step(lens: list[int], block_size: int = 4) -> AttentionMetadata:
-    """Decode metadata for sequences laid out one after another in the cache."""
-    rows, start = [], 0
+    """Decode metadata for sequences laid out one after another in the cache, in reverse
+    block order (so a kernel that ignored the block tables would read the wrong keys)."""
+    rows, tables, start = [], [], 0
+    max_blocks = -(-max(lens) // block_size)
     for n in lens:
+        blocks = -(-n // block_size)
+        table = start + torch.arange(blocks - 1, -1, -1)
+        tables.append(torch.cat([table, torch.zeros(max_blocks - blocks, dtype=torch.long)]))
         pos = torch.minimum(torch.arange(max(lens)), torch.tensor(n - 1))
-        rows.append(start + pos)
-        start += -(-n // block_size) * block_size
+        rows.append(table[pos // block_size] * block_size + pos % block_size)
+        start += blocks
     slots = torch.stack(rows)
-    return AttentionMetadata(slots[:, -1].clone(), len(lens), slots, torch.tensor(lens), [])
+    return AttentionMetadata(slots[:, -1].clone(), len(lens), slots, torch.tensor(lens), [],
+                             decode_block_tables=torch.stack(tables))
 
 
 def reference_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -76,23 +82,36 @@ def reference_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 @pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 30.0)])
 @pytest.mark.parametrize("ragged", [True, False])
+@pytest.mark.parametrize("kernel_backend", ["torch"], indirect=True)
 def test_decode_attention_matches_each_sequence_written_out(
-        window: int | None, cap: float | None, ragged: bool,
+        window: int | None, cap: float | None, ragged: bool, kernel_backend: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Ragged: one call per sequence over its own slots; padded: one masked batched call.
     monkeypatch.setattr(forward_context, "RAGGED_MIN_PADDING_PER_ROW", 0 if ragged else 10**9)
+    check_decode_attention([3, 17, 9, 1], window, cap)
+    assert (decode_step([3, 17, 9, 1]).ragged_decode() is not None) == ragged
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("lens", [[3, 17, 9, 1], [30], [2, 64]])
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_decode_attention_matches_each_sequence_written_out(
+        window: int | None, cap: float | None, lens: list[int], kernel_backend: str) -> None:
+    # One sequence (or two on two threads) splits its context across the threads.
+    check_decode_attention(lens, window, cap)
+
+
+def check_decode_attention(lens: list[int], window: int | None, cap: float | None) -> None:
     gen = torch.Generator().manual_seed(1)
-    lens = [3, 17, 9, 1]
     md = decode_step(lens)
     attn = Attention(num_heads=6, head_dim=8, num_kv_heads=2, scale=8**-0.5,
                      sliding_window=window, logits_soft_cap=cap)
-    cache = torch.randn(2, 16, 4, 2, 8, generator=gen)
+    cache = torch.randn(2, 32, 4, 2, 8, generator=gen)
     attn.kv_cache = (cache[0], cache[1])
     q = torch.randn(len(lens), 6, 8, generator=gen)
     k, v = torch.randn(len(lens), 2, 8, generator=gen), torch.randn(len(lens), 2, 8, generator=gen)
     with set_forward_context(md):
         got = attn(q, k, v).view(len(lens), 6, 8)
-    assert (md.ragged_decode() is not None) == ragged
     keys, values = cache[0].view(-1, 2, 8), cache[1].view(-1, 2, 8)
     for i, n in enumerate(lens):
         want = reference_decode(q[i], keys, values, md.decode_slots[i], n, 8**-0.5, window, cap)

@@ -60,8 +60,14 @@ def test_triton_greedy_sampling_returns_the_logprob(llama_dir: Path) -> None:
         torch_out.outputs[0].cumulative_logprob, abs=1e-4)
 
 
-def test_auto_is_torch_on_the_cpu() -> None:
-    assert resolve_kernel_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_on_the_cpu_is_numba_in_float32_else_torch() -> None:
+    assert resolve_kernel_backend("auto", torch.device("cpu"), torch.float32) == "numba"
+    assert resolve_kernel_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+
+
+def test_numba_outside_float32_on_the_cpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="CPU's float32 decode attention"):
+        resolve_kernel_backend("numba", torch.device("cpu"), torch.float16)
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch) -> None:

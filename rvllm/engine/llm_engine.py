@@ -455,10 +455,19 @@ def _visible_text(seq: Sequence) -> str:
 
 def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
-    its reference once, so a broken kernel stops start-up instead of corrupting output."""
+    its reference once, so a broken kernel stops start-up instead of corrupting output.
+    The numba kernel is compiled (or loaded from numba's cache) here too."""
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
 
-    backend = resolve_kernel_backend(requested, device)
+    backend = resolve_kernel_backend(requested, device, dtype)
+    if backend == "numba":
+        from rvllm.kernels import cpu_decode_attention, cpu_gemv
+
+        start = time.perf_counter()
+        cpu_decode_attention.warm_up()
+        cpu_gemv.warm_up()
+        logger.info("numba kernels (decode attention, one-row GEMV) ready in %.1fs",
+                    time.perf_counter() - start)
     if backend == "triton":
         from rvllm.kernels import check_kernels
 

@@ -165,13 +165,14 @@ class ModelRunner:
             pos.extend(range(ctx, ctx + n))
             slots.extend(seq_slots[ctx:].tolist())
         dev = self.device
-        decode_slots, decode_seq_lens = self._decode_gather(decodes)
+        decode_slots, decode_seq_lens, decode_tables = self._decode_gather(decodes)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
             decode_slots=decode_slots,
             decode_seq_lens=decode_seq_lens,
             prefills=prefill_meta,
+            decode_block_tables=decode_tables,
         )
         if use_triton():
             add_block_tables(metadata, bs)
@@ -199,10 +200,11 @@ class ModelRunner:
         return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
 
     def _decode_gather(self, decodes: list[ScheduledSeq]
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Cache slots of every context position of each decoding sequence, padded."""
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Cache slots of every context position of each decoding sequence (padded), the
+        sequences' lengths, and their block tables (padded with block 0)."""
         if not decodes:
-            return None, None
+            return None, None, None
         bs = self.block_size
         seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
         max_len = int(seq_lens.max())
@@ -215,7 +217,7 @@ class ModelRunner:
         # (a NaN there would poison the masked softmax).
         k_pos = torch.minimum(torch.arange(max_len).unsqueeze(0), (seq_lens - 1).unsqueeze(1))
         slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
-        return slots.to(self.device), seq_lens.to(self.device)
+        return slots.to(self.device), seq_lens.to(self.device), tables.to(self.device)
 
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
                 logits: torch.Tensor | None) -> list[SeqStepOutput]:

@@ -146,7 +146,11 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     """Entry point of ranks 1..N-1 (a spawned process)."""
     from rvllm.config import ModelConfig, resolve_device, resolve_dtype
     from rvllm.executor.model_runner import ModelRunner
-    from rvllm.forward_context import add_block_tables, set_forward_context
+    from rvllm.forward_context import (
+        add_block_tables,
+        decode_block_tables,
+        set_forward_context,
+    )
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend, use_triton
     from rvllm.models.loader import load_model
 
@@ -156,8 +160,14 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
         torch.cuda.set_device(device)
     torch.set_num_threads(threads_per_rank(world_size))
     init_distributed(rank, world_size, init_method, device)
-    set_kernel_backend(resolve_kernel_backend(engine_args.kernel_backend, device))
     dtype = resolve_dtype(engine_args.dtype, device)
+    backend = resolve_kernel_backend(engine_args.kernel_backend, device, dtype)
+    if backend == "numba":
+        from rvllm.kernels import cpu_decode_attention, cpu_gemv
+
+        cpu_decode_attention.warm_up()
+        cpu_gemv.warm_up()
+    set_kernel_backend(backend)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
     model = load_model(config, device, load_format=engine_args.load_format,
                        cpu_linear_backend=engine_args.cpu_linear_backend,
@@ -171,8 +181,11 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
         while (step := recv_step(device)) is not None:
             if step.swap_out or step.swap_in:
                 runner.swap(step.swap_out, step.swap_in)
+            md = step.metadata
             if use_triton():
-                add_block_tables(step.metadata, engine_args.block_size)
+                add_block_tables(md, engine_args.block_size)
+            elif md.num_decode_tokens:
+                md.decode_block_tables = decode_block_tables(md, engine_args.block_size)
             with set_forward_context(step.metadata):
                 hidden = model(step.input_ids, step.positions)
                 if step.logit_rows.numel():

@@ -12,7 +12,10 @@ softmax; SDPA cannot do that, so those layers take an explicit matmul-softmax pa
 With the Triton backend (``layers.backend``) the cache write, and RoPE when the caller
 hands its rotary embedding over, is one fused kernel, and attention reads the paged
 cache directly (paged decode with split-KV, paged prefill); soft-capped layers keep
-the torch path, which the kernels do not cover.
+the torch path, which the kernels do not cover. With the numba backend (the CPU in
+float32) decode attention reads the paged cache directly too
+(``kernels.cpu_decode_attention``), soft caps included; ``_decode``'s torch code below is
+its reference.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rvllm.forward_context import AttentionMetadata, get_forward_context
-from rvllm.layers.backend import use_triton
+from rvllm.layers.backend import use_numba, use_triton
 
 
 class Attention(nn.Module):
@@ -107,6 +110,13 @@ class Attention(nn.Module):
     def _decode(self, ctx: AttentionMetadata, q: torch.Tensor, key_flat: torch.Tensor,
                 value_flat: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, D], one new token per sequence, against each one's whole context."""
+        if use_numba():
+            from rvllm.kernels.cpu_decode_attention import paged_decode_attention_cpu
+
+            assert self.kv_cache is not None and ctx.decode_block_tables is not None
+            return paged_decode_attention_cpu(
+                q, self.kv_cache[0], self.kv_cache[1], ctx.decode_block_tables,
+                ctx.decode_seq_lens, self.scale, self.sliding_window, self.logits_soft_cap)
         ragged = ctx.ragged_decode()
         if ragged is not None:
             return self._decode_ragged(q, key_flat, value_flat, *ragged)

@@ -1,12 +1,16 @@
-"""Which kernels the layers run: plain torch, or the Triton kernels of ``rvllm.kernels``.
+"""Which kernels the layers run: plain torch, the Triton kernels of ``rvllm.kernels``, or
+on the CPU the numba ones.
 
 One choice per process, made at start-up (``--kernel-backend``) before the first forward
-pass and logged. The Triton path replaces fused residual-add + RMSNorm, RoPE + KV-cache
-write, paged decode and prefill attention, SiLU * mul and greedy sampling; every layer
-keeps its plain-torch code as the reference and for what the kernels do not cover (Gemma's
-1 + w norms, logit soft-capping, sampling with penalties or logprobs).
+pass and logged. The numba backend (the CPU's default in float32) replaces decode
+attention over the paged cache and one-row linear layers; everything else runs the
+torch code. The Triton path
+replaces fused residual-add + RMSNorm, RoPE + KV-cache write, paged decode and prefill
+attention, SiLU * mul and greedy sampling. Every layer keeps its plain-torch code as the
+reference and for what the kernels do not cover (Gemma's 1 + w norms, logit
+soft-capping on the Triton path, sampling with penalties or logprobs).
 
-The kernels need a CUDA device, or ``TRITON_INTERPRET=1`` set before triton is first
+The Triton kernels need a CUDA device, or ``TRITON_INTERPRET=1`` set before triton is first
 imported, which runs them in Triton's interpreter on CPU tensors (slow; for tests).
 """
 
@@ -20,7 +24,7 @@ import torch
 
 logger = logging.getLogger("rvllm")
 
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "numba")
 _STATE = {"backend": "torch"}
 
 
@@ -28,17 +32,25 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_kernel_backend(requested: str, device: torch.device) -> str:
-    """``auto`` is triton on a CUDA device when triton is installed, else torch. Asking for
-    triton where it cannot run is an error that says what to do."""
+def resolve_kernel_backend(requested: str, device: torch.device,
+                           dtype: torch.dtype = torch.float32) -> str:
+    """``auto`` is triton on a CUDA device when triton is installed, numba on the CPU in
+    float32, else torch. Asking for a backend where it cannot run is an error that says
+    what to do."""
     if requested not in KERNEL_BACKENDS:
         raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {requested!r}.")
     has_triton = importlib.util.find_spec("triton") is not None
     if requested == "auto":
-        if device.type == "cuda" and not has_triton:
-            logger.warning("triton is not installed: the plain-torch kernels run on the GPU "
-                           "(pip install triton for the fused kernels)")
-        return "triton" if device.type == "cuda" and has_triton else "torch"
+        if device.type == "cuda":
+            if not has_triton:
+                logger.warning("triton is not installed: the plain-torch kernels run on the "
+                               "GPU (pip install triton for the fused kernels)")
+            return "triton" if has_triton else "torch"
+        return "numba" if dtype == torch.float32 else "torch"
+    if requested == "numba" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError("--kernel-backend numba is the CPU's float32 decode attention; "
+                         f"this engine runs {dtype} on {device.type}. Use --kernel-backend "
+                         "auto.")
     if requested == "triton":
         if not has_triton:
             raise ValueError("--kernel-backend triton needs the `triton` package: pip install "
@@ -52,10 +64,14 @@ def resolve_kernel_backend(requested: str, device: torch.device) -> str:
 
 
 def set_kernel_backend(name: str) -> None:
-    if name not in ("torch", "triton"):
-        raise ValueError(f"set_kernel_backend takes torch or triton, got {name!r}.")
+    if name not in KERNEL_BACKENDS[1:]:
+        raise ValueError(f"set_kernel_backend takes one of {KERNEL_BACKENDS[1:]}, got {name!r}.")
     _STATE["backend"] = name
 
 
 def use_triton() -> bool:
     return _STATE["backend"] == "triton"
+
+
+def use_numba() -> bool:
+    return _STATE["backend"] == "numba"
