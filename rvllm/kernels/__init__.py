@@ -1,9 +1,9 @@
-"""Triton kernels for the GPU path, each in its own module beside the plain-torch
-reference it must match.
+"""Kernels, each in its own module beside the plain-torch reference it must match:
+Triton kernels for the GPU path, and numba kernels for the CPU (``cpu_*.py``).
 
-The kernel modules import triton, so import them directly where the GPU path is
-chosen (``from rvllm.kernels.decode_attention import paged_decode_attention``);
-this package itself imports without triton so the CPU path never needs it.
+The kernel modules import triton or numba, so import them directly where their path is
+chosen (``from rvllm.kernels.decode_attention import paged_decode_attention``); this
+package itself imports without either.
 """
 
 from __future__ import annotations
