@@ -59,6 +59,8 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
     prefill_seq_lens: torch.Tensor | None = None  # [num_prefills] int32: cached + new
     max_prefill_len: int = 0
+    # The numba decode kernel's per-step arrays (its step_arrays()), made by the first layer.
+    cpu_decode_arrays: tuple | None = None
     # ragged_decode()'s answer, once computed: False = not computed yet.
     _ragged: tuple[torch.Tensor, list[int]] | None | bool = False
 

@@ -112,7 +112,7 @@ def test_numba_one_row_gemv_equals_f_linear_and_more_rows_use_onednn(kernel_back
     expected = {rows: block.references(x, h, lambda w: w.clone())
                 for rows, (x, h) in inputs_by_rows.items()}
     assert prepare_linear_weights(block, "auto") == "onednn"
-    assert block.col.gemv_weight.shape == (24, 48)  # the row-major copy kept for one row
+    assert block.col.row_major_weight[0].shape == (24, 48)  # kept for one-row inputs
     for rows, (x, h) in inputs_by_rows.items():
         for got, want in zip(block.outputs(x, h), expected[rows]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -122,24 +122,33 @@ def _paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, wind
                 out[seq, h, d] /= total
 
 
+def step_arrays(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """What every layer of one decode step passes the same: the block tables and lengths
+    as int64 numpy arrays, and how many parts each context is split into (fewer
+    sequences than twice the threads: split them so every thread works)."""
+    threads = numba.get_num_threads()
+    num_seqs = block_tables.shape[0]
+    num_splits = 1 if num_seqs >= 2 * threads else -(-2 * threads // num_seqs)
+    return (block_tables.to(torch.int64).contiguous().numpy(),
+            seq_lens.to(torch.int64).contiguous().numpy(), np.int64(num_splits))
+
+
 def paged_decode_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor,
                                value_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                               soft_cap: float | None) -> torch.Tensor:
+                               soft_cap: float | None, arrays: tuple | None = None
+                               ) -> torch.Tensor:
     """q: [B, Hq, D] float32, one new token per sequence; caches: [num_blocks, block_size,
     Hk, D]; block_tables: [B, max_blocks]; seq_lens: [B] context lengths including the
     new token. Returns [B, Hq, D]. A sliding window keeps the last ``sliding_window``
-    positions; ``soft_cap`` squashes scores as cap * tanh(score / cap) (Gemma 2)."""
+    positions; ``soft_cap`` squashes scores as cap * tanh(score / cap) (Gemma 2).
+    ``arrays``: ``step_arrays(block_tables, seq_lens)``, made once per step."""
+    tables, lens, num_splits = arrays or step_arrays(block_tables, seq_lens)
     out = torch.empty(q.shape, dtype=torch.float32)
-    # Fewer sequences than twice the threads: split each context so every thread works.
-    threads = numba.get_num_threads()
-    num_splits = 1 if q.shape[0] >= 2 * threads else -(-2 * threads // q.shape[0])
     # One compiled signature: contiguous arrays, int64 indices, float32 scalars.
-    _paged_decode(q.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(),
-                  block_tables.to(torch.int64).contiguous().numpy(),
-                  seq_lens.to(torch.int64).contiguous().numpy(), np.float32(scale),
-                  np.int64(sliding_window or 0), np.float32(soft_cap or 0.0),
-                  np.int64(num_splits), out.numpy())
+    _paged_decode(q.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables, lens,
+                  np.float32(scale), np.int64(sliding_window or 0), np.float32(soft_cap or 0.0),
+                  num_splits, out.numpy())
     return out
 
 

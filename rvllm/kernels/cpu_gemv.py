@@ -7,9 +7,9 @@ one output row after another, streams them at the memory bandwidth (20-25 GB/s h
 So a linear layer with this path keeps its weight row-major beside the packed copy
 (``layers.cpu_linear``), and one-row inputs come here.
 
-- ``gemv_f32``: float32 weight [N, K].
-- ``gemv_int8``: int8 weight [N, K] with one float32 scale per output row; the
-  activations stay float32 (each weight widened in registers), so this computes exactly
+- float32 weight [N, K];
+- int8 weight [N, K] with one float32 scale per output row; the activations stay
+  float32 (each weight widened in registers), so this computes
   ``F.linear(x, q.float() * scale[:, None])`` up to summation order.
 
 Output rows are shared out in chunks over numba's threads. Float32 accumulation with
@@ -34,8 +34,8 @@ def _gemv_f32(x, weight, out):
         for row in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
             acc = np.float32(0.0)
             for i in range(k):
-                acc += weight[row, i] * x[i]
-            out[row] = acc
+                acc += weight[row, i] * x[0, i]
+            out[0, row] = acc
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -45,27 +45,29 @@ def _gemv_int8(x, weight, scale, out):
         for row in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
             acc = np.float32(0.0)
             for i in range(k):
-                acc += np.float32(weight[row, i]) * x[i]
-            out[row] = acc * scale[row]
+                acc += np.float32(weight[row, i]) * x[0, i]
+            out[0, row] = acc * scale[row]
 
 
-def gemv_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [K] or [1, K] float32; weight: [N, K] float32, contiguous. Returns [..., N]."""
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-    _gemv_f32(x.reshape(-1).contiguous().numpy(), weight.numpy(), out.view(-1).numpy())
-    return out
+def row_major(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple:
+    """What a linear layer keeps for ``gemv``: numpy views of its row-major weight [N, K]
+    (float32, or int8 with its float32 scales [N]), made once so a call converts only x."""
+    arrays = (weight.contiguous().numpy(),)
+    return arrays if scale is None else arrays + (scale.float().contiguous().numpy(),)
 
 
-def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [K] or [1, K] float32; weight: [N, K] int8, contiguous; scale: [N] float32."""
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
-    _gemv_int8(x.reshape(-1).contiguous().numpy(), weight.numpy(), scale.numpy(),
-               out.view(-1).numpy())
+def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    """x: [1, K] float32, contiguous; ``weights`` from ``row_major``. Returns [1, N]."""
+    out = torch.empty(1, weights[0].shape[0], dtype=torch.float32)
+    if len(weights) == 1:
+        _gemv_f32(x.numpy(), weights[0], out.numpy())
+    else:
+        _gemv_int8(x.numpy(), weights[0], weights[1], out.numpy())
     return out
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) both kernels on tiny inputs."""
     x = torch.zeros(1, 4)
-    gemv_f32(x, torch.zeros(2, 4))
-    gemv_int8(x, torch.zeros(2, 4, dtype=torch.int8), torch.ones(2))
+    gemv(x, row_major(torch.zeros(2, 4)))
+    gemv(x, row_major(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))

@@ -111,12 +111,17 @@ class Attention(nn.Module):
                 value_flat: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, D], one new token per sequence, against each one's whole context."""
         if use_numba():
-            from rvllm.kernels.cpu_decode_attention import paged_decode_attention_cpu
+            from rvllm.kernels import cpu_decode_attention as kernel
 
             assert self.kv_cache is not None and ctx.decode_block_tables is not None
-            return paged_decode_attention_cpu(
+            assert ctx.decode_seq_lens is not None
+            if ctx.cpu_decode_arrays is None:
+                ctx.cpu_decode_arrays = kernel.step_arrays(ctx.decode_block_tables,
+                                                           ctx.decode_seq_lens)
+            return kernel.paged_decode_attention_cpu(
                 q, self.kv_cache[0], self.kv_cache[1], ctx.decode_block_tables,
-                ctx.decode_seq_lens, self.scale, self.sliding_window, self.logits_soft_cap)
+                ctx.decode_seq_lens, self.scale, self.sliding_window, self.logits_soft_cap,
+                ctx.cpu_decode_arrays)
         ragged = ctx.ragged_decode()
         if ragged is not None:
             return self._decode_ragged(q, key_flat, value_flat, *ragged)

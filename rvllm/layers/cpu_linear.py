@@ -89,14 +89,11 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, module.weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    gemv_weight = getattr(module, "gemv_weight", None)
-    if x2.shape[0] == 1 and gemv_weight is not None:
-        from rvllm.kernels import cpu_gemv
+    row_major = getattr(module, "row_major_weight", None)
+    if x2.shape[0] == 1 and row_major is not None:
+        from rvllm.kernels.cpu_gemv import gemv
 
-        if kind == "int8":
-            y = cpu_gemv.gemv_int8(x2, gemv_weight, module.gemv_scale)
-        else:
-            y = cpu_gemv.gemv_f32(x2, gemv_weight)
+        y = gemv(x2, row_major)
     elif kind == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
@@ -158,19 +155,21 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     # One-row inputs (a decode step of one sequence) read the weight row-major through
     # the numba GEMV, twice as fast as the packed GEMMs at one row: that copy stays too.
     keep_rows = use_numba() and kind in ("onednn", "int8")
+    if keep_rows:
+        from rvllm.kernels.cpu_gemv import row_major
     for m in on_cpu:
         w = m.weight.detach()
         if kind == "onednn":
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
             if keep_rows:
-                m.gemv_weight = w.contiguous()
+                m.row_major_weight = row_major(w)
         elif kind == "fp16":
             m.packed_weight = torch.ops.quantized.linear_prepack_fp16(w.float(), None)
         else:
             q, scale = quantize_int8(w)
             m.packed_weight = _pack_int8(q, scale)
             if keep_rows:
-                m.gemv_weight, m.gemv_scale = q, scale
+                m.row_major_weight = row_major(q, scale)
         m.linear_kind = kind
         if not getattr(m, "keeps_weight", False):
             # Nothing reads the plain copy any more: give its memory back.
