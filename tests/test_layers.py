@@ -116,3 +116,20 @@ def check_decode_attention(lens: list[int], window: int | None, cap: float | Non
     for i, n in enumerate(lens):
         want = reference_decode(q[i], keys, values, md.decode_slots[i], n, 8**-0.5, window, cap)
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_kernels_take_as_many_threads_as_torch(kernel_backend: str) -> None:
+    # A tensor-parallel rank or a data-parallel replica gets a share of the cores.
+    import numba
+
+    from rvllm.kernels import match_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        check_decode_attention([3, 17, 9, 1], None, None)
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        match_torch_threads()

@@ -24,6 +24,19 @@ KERNEL_NAMES = (
 )
 
 
+def match_torch_threads() -> None:
+    """Give numba's kernels as many threads as torch has in the calling thread. Both
+    counts are per calling thread, and torch's is set per process (a tensor-parallel
+    rank, a data-parallel replica: a share of the cores), so the thread that steps the
+    engine checks before its numba calls; when the counts already agree this is a
+    compare."""
+    import numba
+
+    want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
 # (device, dtype, kernel) already checked in this process: once is enough.
 _CHECKED: set[tuple[str, torch.dtype, str]] = set()
 

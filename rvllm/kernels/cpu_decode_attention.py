@@ -26,6 +26,8 @@ import numba
 import numpy as np
 import torch
 
+from rvllm.kernels import match_torch_threads
+
 
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, window, soft_cap,
@@ -126,6 +128,7 @@ def step_arrays(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
     """What every layer of one decode step passes the same: the block tables and lengths
     as int64 numpy arrays, and how many parts each context is split into (fewer
     sequences than twice the threads: split them so every thread works)."""
+    match_torch_threads()
     threads = numba.get_num_threads()
     num_seqs = block_tables.shape[0]
     num_splits = 1 if num_seqs >= 2 * threads else -(-2 * threads // num_seqs)
@@ -154,8 +157,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor,
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel on a tiny input, so the first
-    decode step does not pay for it, and give it as many threads as torch has."""
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    decode step does not pay for it."""
     cache = torch.zeros(1, 1, 1, 1)
     paged_decode_attention_cpu(torch.zeros(1, 1, 1), cache, cache,
                                torch.zeros(1, 1, dtype=torch.int64),

@@ -22,6 +22,8 @@ import numba
 import numpy as np
 import torch
 
+from rvllm.kernels import match_torch_threads
+
 # Output rows per parallel work item: enough to amortise the scheduling, few enough to
 # balance two threads on the smallest projections (576 rows in SmolLM2).
 _CHUNK = 32
@@ -58,6 +60,7 @@ def row_major(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple:
 
 def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
     """x: [1, K] float32, contiguous; ``weights`` from ``row_major``. Returns [1, N]."""
+    match_torch_threads()
     out = torch.empty(1, weights[0].shape[0], dtype=torch.float32)
     if len(weights) == 1:
         _gemv_f32(x.numpy(), weights[0], out.numpy())
