@@ -66,7 +66,7 @@ def test_auto_on_the_cpu_is_numba_in_float32_else_torch() -> None:
 
 
 def test_numba_outside_float32_on_the_cpu_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="CPU's float32 decode attention"):
+    with pytest.raises(ValueError, match="CPU's float32 kernels"):
         resolve_kernel_backend("numba", torch.device("cpu"), torch.float16)
 
 

@@ -456,16 +456,15 @@ def _visible_text(seq: Sequence) -> str:
 def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
-    The numba kernel is compiled (or loaded from numba's cache) here too."""
+    The numba kernels are compiled (or loaded from numba's cache) here too."""
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
 
     backend = resolve_kernel_backend(requested, device, dtype)
     if backend == "numba":
-        from rvllm.kernels import cpu_decode_attention, cpu_gemv
+        from rvllm.kernels import warm_up_numba
 
         start = time.perf_counter()
-        cpu_decode_attention.warm_up()
-        cpu_gemv.warm_up()
+        warm_up_numba()
         logger.info("numba kernels (decode attention, one-row GEMV) ready in %.1fs",
                     time.perf_counter() - start)
     if backend == "triton":

@@ -163,10 +163,9 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     dtype = resolve_dtype(engine_args.dtype, device)
     backend = resolve_kernel_backend(engine_args.kernel_backend, device, dtype)
     if backend == "numba":
-        from rvllm.kernels import cpu_decode_attention, cpu_gemv
+        from rvllm.kernels import warm_up_numba
 
-        cpu_decode_attention.warm_up()
-        cpu_gemv.warm_up()
+        warm_up_numba()
     set_kernel_backend(backend)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
     model = load_model(config, device, load_format=engine_args.load_format,
@@ -186,7 +185,7 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
                 add_block_tables(md, engine_args.block_size)
             elif md.num_decode_tokens:
                 md.decode_block_tables = decode_block_tables(md, engine_args.block_size)
-            with set_forward_context(step.metadata):
+            with set_forward_context(md):
                 hidden = model(step.input_ids, step.positions)
                 if step.logit_rows.numel():
                     model.compute_logits(hidden[step.logit_rows])

@@ -4,11 +4,11 @@ on the CPU the numba ones.
 One choice per process, made at start-up (``--kernel-backend``) before the first forward
 pass and logged. The numba backend (the CPU's default in float32) replaces decode
 attention over the paged cache and one-row linear layers; everything else runs the
-torch code. The Triton path
-replaces fused residual-add + RMSNorm, RoPE + KV-cache write, paged decode and prefill
-attention, SiLU * mul and greedy sampling. Every layer keeps its plain-torch code as the
-reference and for what the kernels do not cover (Gemma's 1 + w norms, logit
-soft-capping on the Triton path, sampling with penalties or logprobs).
+torch code. The Triton path replaces fused residual-add + RMSNorm, RoPE + KV-cache
+write, paged decode and prefill attention, SiLU * mul and greedy sampling. Every layer
+keeps its plain-torch code as the reference and for what the kernels do not cover
+(Gemma's 1 + w norms, logit soft-capping on the Triton path, sampling with penalties
+or logprobs).
 
 The Triton kernels need a CUDA device, or ``TRITON_INTERPRET=1`` set before triton is first
 imported, which runs them in Triton's interpreter on CPU tensors (slow; for tests).
@@ -48,9 +48,8 @@ def resolve_kernel_backend(requested: str, device: torch.device,
             return "triton" if has_triton else "torch"
         return "numba" if dtype == torch.float32 else "torch"
     if requested == "numba" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError("--kernel-backend numba is the CPU's float32 decode attention; "
-                         f"this engine runs {dtype} on {device.type}. Use --kernel-backend "
-                         "auto.")
+        raise ValueError("--kernel-backend numba is the CPU's float32 kernels; this "
+                         f"engine runs {dtype} on {device.type}. Use --kernel-backend auto.")
     if requested == "triton":
         if not has_triton:
             raise ValueError("--kernel-backend triton needs the `triton` package: pip install "
