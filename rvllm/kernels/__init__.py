@@ -28,8 +28,8 @@ def match_torch_threads() -> None:
     """Give numba's kernels as many threads as torch has in the calling thread. Both
     counts are per calling thread, and torch's is set per process (a tensor-parallel
     rank, a data-parallel replica: a share of the cores), so the thread that steps the
-    engine checks before its numba calls; when the counts already agree this is a
-    compare."""
+    engine checks once per decode step (``cpu_decode_attention.step_arrays``); when the
+    counts already agree this is a compare."""
     import numba
 
     want = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)

@@ -2,8 +2,9 @@
 
 A decode step of one sequence multiplies one row of activations by every weight matrix:
 the time is the time to read the weights. oneDNN's packed GEMM and fbgemm read them at
-about 10 GB/s at one row on this class of CPU; a plain loop over the row-major weight,
-one output row after another, streams them at the memory bandwidth (20-25 GB/s here).
+10-14 GB/s at one row on this class of CPU; a plain loop over the row-major weight, one
+output row after another, streams them at 18-19 GB/s, about what a streaming read gets
+from this machine's memory (20-22 GB/s).
 So a linear layer with this path keeps its weight row-major beside the packed copy
 (``layers.cpu_linear``), and one-row inputs come here.
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-
-from rvllm.kernels import match_torch_threads
 
 # Output rows per parallel work item: enough to amortise the scheduling, few enough to
 # balance two threads on the smallest projections (576 rows in SmolLM2).
@@ -59,8 +58,9 @@ def row_major(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple:
 
 
 def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
-    """x: [1, K] float32, contiguous; ``weights`` from ``row_major``. Returns [1, N]."""
-    match_torch_threads()
+    """x: [1, K] float32, contiguous; ``weights`` from ``row_major``. Returns [1, N].
+    Runs on as many threads as numba has; ``step_arrays`` of the decode attention kernel
+    matches that to torch's once per step."""
     out = torch.empty(1, weights[0].shape[0], dtype=torch.float32)
     if len(weights) == 1:
         _gemv_f32(x.numpy(), weights[0], out.numpy())

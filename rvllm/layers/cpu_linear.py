@@ -9,13 +9,6 @@ After loading, :func:`prepare_linear_weights` swaps each linear weight for one o
 - ``fp16`` (``--quantization fp16``): the weight stored in float16 and packed for fbgemm,
   which widens it to float32 inside the GEMM: weight-only, half the bytes, 1.5-2.3x
   faster than float32 at 1 to 32 rows, and perplexity equal to float32's.
-With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
-``onednn`` and ``int8`` forms also keep the weight row-major (float32, or int8 with its
-scales) for one-row inputs, which ``kernels.cpu_gemv`` reads at the memory bandwidth:
-a one-sequence decode step runs about twice as fast, for twice the float32 weight memory
-(int8: half of float32's, all told). That int8 path widens the weight to float32 and
-leaves the activations unquantized: ``F.linear(x, q * scale)``.
-
 - ``int8`` (``--quantization int8``): the weight quantized to int8 per output row
   (symmetric, scale = max|w| / 127) and packed for fbgemm. fbgemm's dynamic int8 GEMM
   quantizes its whole input with one scale and zero point (7-bit, ``reduce_range``, so
@@ -25,6 +18,13 @@ leaves the activations unquantized: ``F.linear(x, q * scale)``.
 
 The plain weight is released afterwards unless something else still reads it: a tied
 embedding (``keeps_weight``), or a module that opts out with ``packable = False``.
+
+With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
+``onednn`` and ``int8`` forms also keep the weight row-major (float32, or int8 with its
+scales) for one-row inputs, which ``kernels.cpu_gemv`` reads at about the memory
+bandwidth: a one-sequence decode step runs 1.2-1.4x faster, for twice the float32
+weight memory (int8: half of float32's, all told). That int8 path widens the weight to
+float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``.
 """
 
 from __future__ import annotations
