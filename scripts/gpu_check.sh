@@ -60,8 +60,11 @@ if "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format";
   engine_bench() {
     for eager in "" "--enforce-eager"; do
       # shellcheck disable=SC2086  # $eager is one flag or nothing
+      # --max-num-seqs 128 (the largest N) and --max-model-len 2048 keep the captured
+      # sizes and the split-KV grid to what the runs use.
       "$py" -m rvllm.cli benchmark --model "$model_dir" --load-format dummy \
         --skip-tokenizer-init --dtype bfloat16 --n 1,8,32,128 --output-len 256 \
+        --max-num-seqs 128 --max-model-len 2048 --no-progress \
         $eager --json "$out_dir/engine_bench${eager:+_eager}.json" || return 1
     done
   }

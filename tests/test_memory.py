@@ -59,7 +59,7 @@ def test_reserve_flag_reaches_the_cache_config() -> None:
 
 
 def test_profile_run_covers_the_largest_step_and_leaves_no_cache(llama_dir: Path) -> None:
-    llm = LLM(str(llama_dir), max_model_len=128, max_num_batched_tokens=300)
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=128, max_num_batched_tokens=300)
     engine, runner = llm.engine, llm.engine.runner
     mc = engine.model_config
     caches = [attn.kv_cache for attn in engine.model.attention_layers()]

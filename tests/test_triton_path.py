@@ -35,14 +35,14 @@ def _back_to_torch():
 @pytest.mark.parametrize("arch", ["llama", "mistral",
                                   pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_triton_path_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
-    llm = LLM(str(model_dirs[arch]), kernel_backend="triton")
+    llm = LLM(str(model_dirs[arch]), kernel_backend="triton", dtype="float32")
     assert llm.engine.kernel_backend == "triton" and use_triton()
     assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
 
 
 def test_triton_path_under_chunked_prefill_prefix_hits_and_preemption(llama_dir: Path) -> None:
-    llm = LLM(str(llama_dir), kernel_backend="triton", num_gpu_blocks=16, max_model_len=128,
-              block_size=8, max_num_batched_tokens=24)
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32", num_gpu_blocks=16,
+              max_model_len=128, block_size=8, max_num_batched_tokens=24)
     prompts = make_prompts()
     assert greedy(llm, prompts) == reference(llama_dir)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -53,8 +53,9 @@ def test_triton_path_under_chunked_prefill_prefix_hits_and_preemption(llama_dir:
 
 def test_triton_greedy_sampling_returns_the_logprob(llama_dir: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    torch_out = LLM(str(llama_dir), kernel_backend="torch").generate([[5, 6, 7]], params)[0]
-    triton_out = LLM(str(llama_dir), kernel_backend="triton").generate([[5, 6, 7]], params)[0]
+    outs = [LLM(str(llama_dir), kernel_backend=backend, dtype="float32")
+            .generate([[5, 6, 7]], params)[0] for backend in ("torch", "triton")]
+    torch_out, triton_out = outs
     assert triton_out.outputs[0].token_ids == torch_out.outputs[0].token_ids
     assert triton_out.outputs[0].cumulative_logprob == pytest.approx(
         torch_out.outputs[0].cumulative_logprob, abs=1e-4)
@@ -71,7 +72,7 @@ def test_numba_outside_float32_on_the_cpu_is_a_clear_error() -> None:
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve_kernel_backend("triton", torch.device("cpu"))
 
@@ -83,12 +84,13 @@ def test_decode_graph_forward_with_padding_matches_transformers(llama_dir: Path)
     from rvllm.executor.decode_graphs import DecodeGraphs
 
     num_blocks, block_size = 64, 8
-    llm = LLM(str(llama_dir), kernel_backend="triton", num_gpu_blocks=num_blocks,
-              block_size=block_size, max_model_len=128)
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32",
+              num_gpu_blocks=num_blocks, block_size=block_size, max_model_len=128,
+              enforce_eager=True)
     engine = llm.engine
     mc = engine.model_config
     engine.runner.allocate_kv_cache(num_blocks + 1, mc.num_kv_heads, mc.head_dim, mc.dtype)
-    graphs = DecodeGraphs(engine.model, torch.device("cpu"), block_size, num_blocks, 128,
+    graphs = DecodeGraphs(engine.model, engine.device, block_size, num_blocks, 128,
                           [1, 2, 4, 8])
     replays = []
 

@@ -147,6 +147,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                    "num_iters": args.num_iters, "batch_sizes": sizes, "ignore_eos": True,
                    "temperature": 0.0},
         "startup_s": startup_s,
+        "startup_phases_s": {k: round(v, 3) for k, v in engine.startup_phases.items()},
+        "kernel_backend": engine.kernel_backend,
+        "cuda_graphs": engine.runner.decode_graphs is not None,
+        "num_kv_blocks": engine.block_manager.num_blocks,
         "machine": machine_info(),
         "rows": rows,
     }
@@ -161,6 +165,10 @@ def print_result(result: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
+    # The engine's start-up lines (kernel path, graphs, cache size) go to stderr.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     result = run_benchmark(args)
     print_result(result)
     if args.json:

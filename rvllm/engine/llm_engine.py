@@ -92,7 +92,11 @@ class LLMEngine:
                                               self.scheduler_config, self.device,
                                               tensor_parallel_size=args.tensor_parallel_size)
             self._check_capacity(num_blocks)
+        # Seconds per start-up phase, for the benchmarks' reports.
+        self.startup_phases: dict[str, float] = {}
+        phase = time.perf_counter()
         self.kernel_backend = _select_kernels(args.kernel_backend, self.device, dtype)
+        self.startup_phases["kernels"] = time.perf_counter() - phase
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
         try:
             self.model = load_model(self.model_config, self.device,
@@ -100,8 +104,11 @@ class LLMEngine:
                                     cpu_linear_backend=args.cpu_linear_backend,
                                     quantization=args.quantization)
             self.runner = ModelRunner(self.model, args.block_size, self.device)
+            self.startup_phases["load"] = self.model.load_seconds
             if profile:
+                phase = time.perf_counter()
                 num_blocks = self._profile_num_blocks()
+                self.startup_phases["profile"] = time.perf_counter() - phase
                 self._check_capacity(num_blocks)
             use_graphs = self._use_cuda_graphs()
             # With graphs, one block past the managed ones takes the padding rows' writes.
@@ -109,7 +116,9 @@ class LLMEngine:
                                           self.model_config.num_kv_heads,
                                           self.model_config.head_dim, dtype)
             if use_graphs:
+                phase = time.perf_counter()
                 self._capture_decode_graphs(num_blocks)
+                self.startup_phases["cuda_graphs"] = time.perf_counter() - phase
             if self.tp_group is not None:
                 self.tp_group.wait_ready()
                 self.runner.tp_group = self.tp_group

@@ -83,7 +83,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         start = time.perf_counter()
         try:
-            self.runner.capture()
+            with torch.inference_mode():  # as every step runs: no autograd state captured
+                self.runner.capture()
         except Exception as exc:
             raise RuntimeError(
                 f"capturing the decode step as CUDA graphs failed ({type(exc).__name__}: "

@@ -24,6 +24,13 @@ KERNEL_NAMES = (
 )
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for the attention kernels' ``tl.dot``: full float32 ("ieee")
+    for float32 inputs, so the float32 path matches the reference token for token (Triton
+    would otherwise round them to TF32 on a GPU); half-precision inputs are unaffected."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def match_torch_threads() -> None:
     """Give numba's kernels as many threads as torch has in the calling thread. Both
     counts are per calling thread, and torch's is set per process (a tensor-parallel

@@ -22,7 +22,7 @@ from rvllm.kernels import (
 
 Outputs = tuple[torch.Tensor, ...]
 
-# atol = rtol; float32 allows for TF32 matmuls inside the attention kernels on GPU.
+# atol = rtol. The attention kernels compute float32 in full precision (no TF32).
 TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 

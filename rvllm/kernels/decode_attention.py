@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rvllm.kernels import dot_precision
+
 
 @triton.jit
 def _decode_kernel(
@@ -31,6 +33,7 @@ def _decode_kernel(
     out_stride_b, out_stride_h, out_stride_p, stats_stride_b, stats_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -60,7 +63,7 @@ def _decode_kernel(
                 + kv_head * cache_stride_head)
         kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(key_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -68,7 +71,7 @@ def _decode_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # An empty partition (or a zero-length padding row) leaves l_i = 0: write zeros.
@@ -161,7 +164,7 @@ def paged_decode_attention(
         part_max.stride(0) if split else 0, part_max.stride(1) if split else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT=split, num_warps=4,
+        SPLIT=split, PRECISION=dot_precision(q.dtype), num_warps=4,
     )
     if split:
         _reduce_kernel[(batch, num_heads)](

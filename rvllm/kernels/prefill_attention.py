@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rvllm.kernels import dot_precision
+
 
 @triton.jit
 def _prefill_kernel(
@@ -28,6 +30,7 @@ def _prefill_kernel(
     cache_stride_block, cache_stride_slot, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -66,7 +69,7 @@ def _prefill_kernel(
                  + kv_head * cache_stride_head)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + slots[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if sliding_window > 0:
             visible = visible & (n[None, :] > q_pos[:, None] - sliding_window)
@@ -78,7 +81,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + slots[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -117,7 +120,7 @@ def paged_prefill_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=4,
     )
     return out
 
