@@ -64,7 +64,9 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256,
                    help="generated tokens per sequence (EOS ignored)")
     g.add_argument("--num-iters", type=int, default=1, help="measured runs per N (median kept)")
-    g.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured runs first")
+    g.add_argument("--num-iters-warmup", type=int, default=1,
+                   help="unmeasured runs (of at most 16 output tokens) before each N's "
+                        "measured runs")
     g.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--label", default="rvllm",
@@ -121,13 +123,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     startup_s = time.perf_counter() - t0
     vocab = engine.model_config.vocab_size
     seed = args.seed or 0
-    for i in range(args.num_iters_warmup):
-        time_batch(engine, random_prompts(min(sizes), args.input_len, vocab, seed - 1 - i),
-                   min(args.output_len, 16))
     rows = []
     bar = tqdm(total=len(sizes) * args.num_iters, desc="benchmark", unit="run",
                disable=args.no_progress, file=sys.stderr)
     for n in sizes:
+        # Unmeasured first: a batch shape's first steps may compile kernels (Triton
+        # specialises on sizes) or pick cuBLAS algorithms, at any N, not just the first.
+        for i in range(args.num_iters_warmup):
+            time_batch(engine, random_prompts(n, args.input_len, vocab, seed - 1 - i),
+                       min(args.output_len, 16))
         runs = []
         for it in range(args.num_iters):
             prompts = random_prompts(n, args.input_len, vocab, seed + 1000 * n + it)

@@ -28,18 +28,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            SequenceStatus.FINISHED_STOPPED: "stop",
-            SequenceStatus.FINISHED_LENGTH: "length",
-            SequenceStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH,
-    SequenceStatus.FINISHED_ABORTED,
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
+_FINISHED = frozenset(_FINISH_REASONS)
 
 
 @dataclass(eq=False)

@@ -96,16 +96,18 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         """Logits [B, V] of one decode step (a view: use it before the next replay)."""
+        batch = len(input_ids)
         width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, row in enumerate(tables):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        # Every input in one host tensor and one copy to the device (each copy from
+        # pageable memory waits for the GPU); the block tables padded with block 0.
+        flat = [*input_ids, *positions, *slots, *seq_lens]
+        for row in tables:
+            flat += row
+            flat += [0] * (width - len(row))
         device = self.runner.buffers["input_ids"].device
-        inputs = {
-            "input_ids": torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
-            "positions": torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-            "slot_mapping": torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            "block_tables": table.to(device, non_blocking=True),
-        }
+        packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        ids, pos, slot, lens, table = packed.split([batch] * 4 + [batch * width])
+        inputs = {"input_ids": ids, "positions": pos, "slot_mapping": slot,
+                  "seq_lens": lens, "block_tables": table.view(batch, width)}
         return self.runner.run(inputs)
+
