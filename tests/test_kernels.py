@@ -229,6 +229,16 @@ def test_decode_attention_with_gqa_group_of_seven_and_small_blocks() -> None:
     _close_attn(got, paged_decode_attention_ref(*args))
 
 
+def test_decode_attention_auto_partitions_by_batch() -> None:
+    from rvllm.kernels.decode_attention import auto_partition_size
+
+    assert auto_partition_size(1, 4) == 128  # one 7B sequence: cut its context finer
+    assert auto_partition_size(128, 4) == 512
+    # The default ("auto") at a small batch: 300 tokens cross three 128-token partitions.
+    args = _decode_case(torch.float32, 4, 2, [150, 300], blocks_per_seq=20)
+    _close_attn(paged_decode_attention(*args), paged_decode_attention_ref(*args))
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split_kv"])
 def test_decode_attention_padding_rows_give_zeros(split: bool) -> None:
     args = _decode_case(torch.float32, 2, 1, [0, 20])
