@@ -48,7 +48,21 @@ class ModelRunner:
                           dtype: torch.dtype) -> None:
         # Left uninitialised (fast to allocate): attention only ever gathers slots that
         # were written, since padding in the decode gather repeats a real slot.
-        for attn in self.model.attention_layers():
+        layers = self.model.attention_layers()
+        shapes = {(getattr(a, "num_kv_heads", num_kv_heads), getattr(a, "head_dim", head_dim))
+                  for a in layers if getattr(a, "cache_entry_shapes", None) is None}
+        if len(shapes) == 1 and all(getattr(a, "cache_entry_shapes", None) is None
+                                    for a in layers):
+            # Every layer alike: one allocation for all keys and one for all values, each
+            # layer a slice, so a whole-stack kernel (kernels.cpu_decoder_step) can
+            # take the caches as one array.
+            shape = (len(layers), num_blocks, self.block_size, *shapes.pop())
+            keys = torch.empty(shape, dtype=dtype, device=self.device)
+            values = torch.empty(shape, dtype=dtype, device=self.device)
+            for i, attn in enumerate(layers):
+                attn.kv_cache = (keys[i], values[i])
+            return
+        for attn in layers:
             # A layer may ask for its own per-token entries (MLA caches one latent).
             entries = getattr(attn, "cache_entry_shapes", None)
             if entries is not None:

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rvllm.forward_context import get_forward_context
 from rvllm.layers.attention import Attention
+from rvllm.layers.backend import use_numba
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
@@ -111,11 +113,35 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] == 1 and use_numba():
+            hidden = self._one_token_step(input_ids, positions)
+            if hidden is not None:
+                return hidden
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    def _one_token_step(self, input_ids: torch.Tensor, positions: torch.Tensor
+                        ) -> torch.Tensor | None:
+        """A step of one decoding sequence as one compiled call through every layer
+        (``kernels.cpu_decoder_step``), for the Llama-shaped stacks it covers; None
+        leaves the step to the layers."""
+        ctx = get_forward_context()
+        if ctx.num_decode_tokens != 1 or ctx.prefills or ctx.decode_block_tables is None:
+            return None
+        plan = self.__dict__.get("_decoder_step_plan", False)
+        if plan is False:
+            from rvllm.kernels.cpu_decoder_step import build_plan
+
+            plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
+        if plan is None:
+            return None
+        from rvllm.kernels.cpu_decoder_step import decoder_step
+
+        return decoder_step(plan, int(input_ids[0]), int(positions[0]),
+                            int(ctx.slot_mapping[0]), ctx.decode_block_tables[0].numpy())
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,333 @@
+"""One decode token through a whole Llama-shaped decoder stack in one numba call.
+
+A decode step of one sequence reads every weight once and does little arithmetic on
+each, so the linear layers alone (``cpu_gemv``) take about half of the step on this
+class of CPU; the other half was the ~50 torch operations per layer around them (norms,
+RoPE, the cache write, attention, SiLU*mul, the residual adds) and the Python that
+drives them, each a few microseconds on one row. Here the whole stack runs in compiled
+code: per layer, RMSNorm, the QKV projection, RoPE, the KV-cache write, attention over
+the paged cache, the output projection, the residual add and RMSNorm, gate/up with
+SiLU*mul fused into its rows, and the down projection. The projections and attention
+run on numba's threads (as many as torch's); the rest, a few thousand floats a layer,
+runs on the calling thread.
+
+It serves models built exactly from ``PreNormDecoderLayer(LlamaAttention, LlamaMLP)``
+with plain RMSNorms (Llama, Mistral, Qwen2), float32 activations, linear layers that
+keep a row-major copy for one-row inputs (float32, or int8 with per-row scales, as
+``cpu_gemv``), and no tensor parallelism. Anything else keeps the torch path, which is
+also the reference this is tested against (``tests/test_cpu_decoder_step.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+from torch import nn
+
+from rvllm.kernels import match_torch_threads
+
+# Output rows per parallel work item, as in cpu_gemv.
+_CHUNK = 32
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _matvec(x, w, scale, bias, out):
+    """out = x W^T (times the per-row scale of an int8 W) (+ bias); empty scale / bias
+    arrays mean none."""
+    n, k = w.shape
+    has_scale, has_bias = scale.shape[0] > 0, bias.shape[0] > 0
+    for chunk in prange((n + _CHUNK - 1) // _CHUNK):
+        for r in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
+            acc = np.float32(0.0)
+            for i in range(k):
+                acc += np.float32(w[r, i]) * x[i]
+            if has_scale:
+                acc *= scale[r]
+            if has_bias:
+                acc += bias[r]
+            out[r] = acc
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _gate_up_silu(x, w, scale, bias, out):
+    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up) and SiLU(gate) * up,
+    a pair of rows at a time: the [2I] intermediate never exists."""
+    inter, k = out.shape[0], w.shape[1]
+    has_scale, has_bias = scale.shape[0] > 0, bias.shape[0] > 0
+    for chunk in prange((inter + _CHUNK - 1) // _CHUNK):
+        for r in range(chunk * _CHUNK, min(inter, (chunk + 1) * _CHUNK)):
+            g = np.float32(0.0)
+            u = np.float32(0.0)
+            for i in range(k):
+                g += np.float32(w[r, i]) * x[i]
+                u += np.float32(w[r + inter, i]) * x[i]
+            if has_scale:
+                g *= scale[r]
+                u *= scale[r + inter]
+            if has_bias:
+                g += bias[r]
+                u += bias[r + inter]
+            out[r] = g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _attend(q, key_cache, value_cache, table, length, window, scores, out):
+    """One new token's attention, q [Hq, D] (already scaled), over positions [0, length)
+    of its paged context (the last ``window`` of them when window > 0); out [Hq, D].
+    One query head per work item; ``scores`` [Hq, >= length] is scratch."""
+    num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    start = length - window if 0 < window < length else 0
+    for h in prange(num_heads):
+        kv = h // group
+        top = -np.inf
+        for t in range(start, length):
+            block, slot = table[t // block_size], t % block_size
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[h, d] * key_cache[block, slot, kv, d]
+            scores[h, t] = s
+            top = max(top, s)
+        for d in range(head_dim):
+            out[h, d] = 0.0
+        total = np.float32(0.0)
+        for t in range(start, length):
+            p = np.exp(scores[h, t] - top)
+            total += p
+            block, slot = table[t // block_size], t % block_size
+            for d in range(head_dim):
+                out[h, d] += p * value_cache[block, slot, kv, d]
+        for d in range(head_dim):
+            out[h, d] /= total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _rms_norm(x, weight, eps, out):
+    total = np.float32(0.0)
+    for i in range(x.shape[0]):
+        total += x[i] * x[i]
+    inv = np.float32(1.0) / np.sqrt(total / x.shape[0] + eps)
+    for i in range(x.shape[0]):
+        out[i] = x[i] * inv * weight[i]
+
+
+@numba.njit(fastmath=True, cache=True)
+def _rope(x, cos, sin):
+    """Rotate-half RoPE in place on x [H, D] with this position's cos/sin rows [D]."""
+    half = x.shape[1] // 2
+    for h in range(x.shape[0]):
+        for i in range(half):
+            a, b = x[h, i], x[h, i + half]
+            x[h, i] = a * cos[i] - b * sin[i]
+            x[h, i + half] = b * cos[i + half] + a * sin[i + half]
+
+
+@numba.njit(fastmath=True, cache=True)
+def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
+                  gu_w, gu_s, gu_b, down_w, down_s, down_b, key_cache, value_cache,
+                  windows, table, position, slot, cos_table, sin_table, num_heads,
+                  num_kv_heads, head_dim, scale, eps, final_norm, out, scratch):
+    """hidden [H]: the token's embedding, then the residual stream as the layers run.
+    Per-layer arrays are stacked on a leading layer axis (scales and biases [L, 0] when
+    there are none); key_cache / value_cache [L, blocks, block_size, Hk, D]. Writes the
+    final norm of the last residual to ``out``."""
+    size = hidden.shape[0]
+    normed, delta, qkv, attn, act, scores = scratch
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    cos, sin = cos_table[position], sin_table[position]
+    block_size = key_cache.shape[2]
+    block, offset = slot // block_size, slot % block_size
+    length = position + 1
+    for layer in range(norms1.shape[0]):
+        if layer > 0:
+            for i in range(size):
+                hidden[i] += delta[i]
+        _rms_norm(hidden, norms1[layer], eps, normed)
+        _matvec(normed, qkv_w[layer], qkv_s[layer], qkv_b[layer], qkv)
+        q = qkv[:q_size].reshape((num_heads, head_dim))
+        k = qkv[q_size:q_size + kv_size].reshape((num_kv_heads, head_dim))
+        v = qkv[q_size + kv_size:].reshape((num_kv_heads, head_dim))
+        _rope(q, cos, sin)
+        _rope(k, cos, sin)
+        for h in range(num_heads):
+            for d in range(head_dim):
+                q[h, d] *= scale
+        if slot >= 0:
+            key_cache[layer, block, offset] = k
+            value_cache[layer, block, offset] = v
+        _attend(q, key_cache[layer], value_cache[layer], table, length, windows[layer],
+                scores, attn)
+        _matvec(attn.reshape(q_size), o_w[layer], o_s[layer], o_b[layer], delta)
+        for i in range(size):
+            hidden[i] += delta[i]
+        _rms_norm(hidden, norms2[layer], eps, normed)
+        _gate_up_silu(normed, gu_w[layer], gu_s[layer], gu_b[layer], act)
+        _matvec(act, down_w[layer], down_s[layer], down_b[layer], delta)
+    for i in range(size):
+        hidden[i] += delta[i]
+    _rms_norm(hidden, final_norm, eps, out)
+
+
+def _stack_linears(modules: list[nn.Module]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The row-major weights of one projection in every layer, moved into one [L, N, K]
+    array (each module's ``row_major_weight`` then views its slice, so memory does not
+    grow), with scales [L, N] (int8) and biases [L, N], or [L, 0] for none. None when a
+    layer keeps no row-major copy (``--cpu-linear-backend torch``, fp16 weights) or the
+    layers differ in format or shape."""
+    copies = [getattr(m, "row_major_weight", None) for m in modules]
+    if any(c is None for c in copies):
+        return None
+    if len({(c[0].dtype, c[0].shape, len(c)) for c in copies}) != 1:
+        return None
+    num = len(modules)
+    weight = np.empty((num, *copies[0][0].shape), copies[0][0].dtype)
+    scale = np.empty((num, copies[0][0].shape[0] if len(copies[0]) > 1 else 0), np.float32)
+    for i, (m, c) in enumerate(zip(modules, copies)):
+        weight[i] = c[0]
+        if len(c) > 1:
+            scale[i] = c[1]
+        m.row_major_weight = (weight[i],) if len(c) == 1 else (weight[i], scale[i])
+    biases = [getattr(m, "bias", None) for m in modules]
+    if any(b is None for b in biases):
+        bias = np.empty((num, 0), np.float32)
+    else:
+        bias = torch.stack([b.detach().float() for b in biases]).numpy()
+    return weight, scale, bias
+
+
+class DecoderStepPlan:
+    """Everything ``_decoder_step`` reads for one model, gathered once: each kind of
+    per-layer array stacked over the layers, the rotary tables and scratch buffers. The
+    KV caches are looked up per step (the engine allocates them after loading)."""
+
+    def __init__(self, layers: list[nn.Module], attrs: dict[str, Any]) -> None:
+        self.layers = layers
+        self.__dict__.update(attrs)
+
+    def caches(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """[L, blocks, block_size, Hk, D] keys and values, when every layer's cache is a
+        slice of one allocation (``ModelRunner.allocate_kv_cache``); else None."""
+        first = self.layers[0].self_attn.attn.kv_cache
+        stacked = []
+        for which in (0, 1):
+            base = first[which]._base
+            if base is None or base.dim() != 5 or base.shape[0] != len(self.layers):
+                return None
+            if any(layer.self_attn.attn.kv_cache[which].data_ptr() != base[i].data_ptr()
+                   for i, layer in enumerate(self.layers)):
+                return None
+            stacked.append(base.numpy())
+        return stacked[0], stacked[1]
+
+
+def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
+    """The plan for ``decoder`` (a ``DecoderModel``), or None when its layers are not
+    exactly the Llama shape this kernel computes or its linear layers keep no row-major
+    copies. Moves those copies into stacked arrays (same memory)."""
+    from rvllm.distributed import get_tp_size
+    from rvllm.layers.norm import RMSNorm
+    from rvllm.layers.rotary import RotaryEmbedding
+    from rvllm.models.base import PreNormDecoderLayer
+    from rvllm.models.llama import LlamaAttention, LlamaMLP
+
+    layers = list(decoder.layers)
+    if get_tp_size() != 1 or type(decoder.norm) is not RMSNorm or not layers:
+        return None
+    first = layers[0]
+    for layer in layers:
+        if (type(layer) is not PreNormDecoderLayer or type(layer.self_attn) is not LlamaAttention
+                or type(layer.mlp) is not LlamaMLP
+                or type(layer.input_layernorm) is not RMSNorm
+                or type(layer.post_attention_layernorm) is not RMSNorm
+                or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
+            return None
+        attn = layer.self_attn.attn
+        if (attn.logits_soft_cap is not None or attn.scale != first.self_attn.attn.scale
+                or layer.input_layernorm.eps != decoder.norm.eps
+                or layer.post_attention_layernorm.eps != decoder.norm.eps
+                or layer.self_attn.rotary_emb.cos_cache.data_ptr()
+                != first.self_attn.rotary_emb.cos_cache.data_ptr()):
+            return None
+    attrs: dict[str, Any] = {}
+    for name, get in (("qkv", lambda layer: layer.self_attn.qkv_proj),
+                      ("o", lambda layer: layer.self_attn.o_proj),
+                      ("gu", lambda layer: layer.mlp.gate_up_proj),
+                      ("down", lambda layer: layer.mlp.down_proj)):
+        stacked = _stack_linears([get(layer) for layer in layers])
+        if stacked is None:
+            return None
+        attrs[f"{name}_w"], attrs[f"{name}_s"], attrs[f"{name}_b"] = stacked
+
+    attn0, rotary = first.self_attn, first.self_attn.rotary_emb
+    num_heads, num_kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+    hidden = decoder.norm.weight.shape[0]
+    inter = attrs["gu_w"].shape[1] // 2
+    max_len = rotary.cos_cache.shape[0]
+    attrs.update({
+        "norms1": torch.stack([layer.input_layernorm.weight.detach() for layer in layers])
+        .numpy(),
+        "norms2": torch.stack([layer.post_attention_layernorm.weight.detach()
+                               for layer in layers]).numpy(),
+        "windows": np.array([layer.self_attn.attn.sliding_window or 0 for layer in layers],
+                            dtype=np.int64),
+        "cos": rotary.cos_cache.numpy(), "sin": rotary.sin_cache.numpy(),
+        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
+        "final_norm": decoder.norm.weight.detach().numpy(),
+        "embedding": decoder.embed_tokens.weight.detach(),
+        "scratch": (np.empty(hidden, np.float32), np.empty(hidden, np.float32),
+                    np.empty((num_heads + 2 * num_kv_heads) * head_dim, np.float32),
+                    np.empty((num_heads, head_dim), np.float32),
+                    np.empty(inter, np.float32), np.empty((num_heads, max_len), np.float32)),
+    })
+    return DecoderStepPlan(layers, attrs)
+
+
+def decoder_step(plan: DecoderStepPlan, token_id: int, position: int, slot: int,
+                 block_table: np.ndarray) -> torch.Tensor | None:
+    """Final hidden state [1, H] of one token at ``position`` of a sequence whose cache
+    blocks are ``block_table`` (int64); its K/V are written to ``slot`` (-1: not). None
+    when the KV caches are not one stacked allocation (the layers then run it)."""
+    caches = plan.caches()
+    if caches is None:
+        return None
+    match_torch_threads()
+    hidden = plan.embedding[token_id].numpy().copy()
+    out = torch.empty(1, hidden.shape[0], dtype=torch.float32)
+    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
+                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
+                  plan.down_w, plan.down_s, plan.down_b, caches[0], caches[1],
+                  plan.windows, block_table, position, slot, plan.cos, plan.sin,
+                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
+                  plan.final_norm, out.numpy()[0], plan.scratch)
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the step for float32 and int8 weights on a
+    one-layer toy stack, so a model's first one-row step does not pay for it."""
+    heads, kv_heads, dim, hidden, inter, max_len = 2, 1, 4, 8, 8, 4
+    for dtype in (np.float32, np.int8):
+        def linear(rows: int, cols: int, dtype: type = dtype) -> tuple:
+            scale = np.ones((1, rows if dtype is np.int8 else 0), np.float32)
+            return (np.zeros((1, rows, cols), dtype), scale, np.empty((1, 0), np.float32))
+
+        ones = np.ones((1, hidden), np.float32)
+        cache = np.zeros((1, 1, 4, kv_heads, dim), np.float32)
+        rope = np.ones((max_len, dim), np.float32)
+        scratch = (np.empty(hidden, np.float32), np.empty(hidden, np.float32),
+                   np.empty((heads + 2 * kv_heads) * dim, np.float32),
+                   np.empty((heads, dim), np.float32), np.empty(inter, np.float32),
+                   np.empty((heads, max_len), np.float32))
+        _decoder_step(np.zeros(hidden, np.float32), ones,
+                      *linear((heads + 2 * kv_heads) * dim, hidden),
+                      *linear(hidden, heads * dim), ones, *linear(2 * inter, hidden),
+                      *linear(hidden, inter), cache, cache, np.zeros(1, np.int64),
+                      np.zeros(1, np.int64), 0, 0, rope, rope, heads, kv_heads, dim,
+                      np.float32(1.0), np.float32(1e-6), np.ones(hidden, np.float32),
+                      np.empty(hidden, np.float32), scratch)
