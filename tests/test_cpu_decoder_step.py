@@ -38,7 +38,8 @@ def test_fused_step_matches_transformers_and_the_layers(model_dirs: dict[str, Pa
     want = hf_greedy(model_dirs[arch], PROMPTS, NEW_TOKENS)
     for prompt, expected in zip(PROMPTS, want):
         tokens, logprob = generate(llm, prompt, fused=True)
-        assert llm.engine.model.model._decoder_step_plan is not None  # it did run
+        plan = llm.engine.model.model._decoder_step_plan
+        assert plan is not None and plan.caches() is not None  # it did run
         assert tokens == expected
         layer_tokens, layer_logprob = generate(llm, prompt, fused=False)
         assert layer_tokens == tokens
@@ -52,35 +53,67 @@ def test_fused_step_with_int8_weights_matches_the_int8_layers(llama_dir: Path) -
               enable_prefix_caching=False)
     for prompt in PROMPTS:
         tokens, logprob = generate(llm, prompt, fused=True)
-        assert llm.engine.model.model._decoder_step_plan is not None
+        plan = llm.engine.model.model._decoder_step_plan
+        assert plan is not None and plan.caches() is not None
         layer_tokens, layer_logprob = generate(llm, prompt, fused=False)
         assert tokens == layer_tokens
         assert logprob == pytest.approx(layer_logprob, abs=1e-3)
 
 
-def test_hidden_state_matches_the_layers_closely(llama_dir: Path) -> None:
-    """One step's final hidden state, both ways, from the same cache."""
-    from rvllm.forward_context import AttentionMetadata, set_forward_context
+def _decode_inputs(llm: LLM, prompts: list[list[int]], bs: int):
+    """Prefill ``prompts`` in the engine, then the metadata and inputs of their next
+    decode step (token 9 each), built the way the model runner builds them."""
+    from rvllm.forward_context import AttentionMetadata
 
-    llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8)
-    engine, bs = llm.engine, 8
-    engine.add_request(None, PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
-    engine.step()  # the prefill: the prompt's K/V are in the cache
-    seq = next(iter(engine.requests.values())).seqs[0]
-    pos = seq.num_computed_tokens
-    table = torch.tensor([seq.block_table], dtype=torch.long)
-    slots = table[0, torch.arange(pos + 1) // bs] * bs + torch.arange(pos + 1) % bs
-    decoder = engine.model.model
-    outs = []
-    for plan in (build_plan(decoder), None):
-        decoder._decoder_step_plan = plan
-        md = AttentionMetadata(slots[-1:], 1, slots.unsqueeze(0), torch.tensor([pos + 1]), [],
-                               decode_block_tables=table)
-        with torch.inference_mode(), set_forward_context(md):
-            outs.append(decoder(torch.tensor([9]), torch.tensor([pos])))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the prefills: the prompts' K/V are in the cache
+    seqs = [r.seqs[0] for r in engine.requests.values()]
+    positions = torch.tensor([s.num_computed_tokens for s in seqs])
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table)
+    slots = torch.stack([tables[i, p // bs] * bs + p % bs for i, p in enumerate(positions)])
+
+    def metadata(rows: list[int]) -> AttentionMetadata:
+        pos = torch.arange(int(positions[rows].max()) + 1)
+        gather = tables[rows][:, pos // bs] * bs + pos % bs
+        return AttentionMetadata(slots[rows], len(rows), gather, positions[rows] + 1, [],
+                                 decode_block_tables=tables[rows])
+    return metadata, torch.full((len(seqs),), 9), positions
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_hidden_states_match_the_layers_and_each_row_alone(llama_dir: Path,
+                                                           quantization: str | None) -> None:
+    """One step's final hidden states from the same cache: the fused step for three
+    sequences, for each alone, and (float32) the layers."""
+    from rvllm.forward_context import set_forward_context
+
+    llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8,
+              quantization=quantization)
+    decoder = llm.engine.model.model
+    plan = decoder._decoder_step_plan
+    assert plan is not None and plan.max_rows == (4 if quantization else 8)
+    assert plan.caches() is not None  # one stacked allocation: the fused step can run
+    metadata, ids, positions = _decode_inputs(llm, [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10]], 8)
+
+    def run(rows: list[int], fused: bool) -> torch.Tensor:
+        decoder._decoder_step_plan = plan if fused else None
+        with torch.inference_mode(), set_forward_context(metadata(rows)):
+            return decoder(ids[rows], positions[rows])
+
+    together = run([0, 1, 2], fused=True)
+    alone = torch.cat([run([i], fused=True) for i in range(3)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    if quantization is None:  # int8 layers quantize a batch's activations; this does not
+        torch.testing.assert_close(together, run([0, 1, 2], fused=False), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_other_shapes_keep_the_layers(model_dirs: dict[str, Path]) -> None:
     llm = LLM(str(model_dirs["llama"]), kernel_backend="numba", cpu_linear_backend="torch")
     assert build_plan(llm.engine.model.model) is None  # no row-major weights
+

@@ -12,7 +12,7 @@ from torch import nn
 
 from rvllm.forward_context import get_forward_context
 from rvllm.layers.attention import Attention
-from rvllm.layers.backend import use_numba
+from rvllm.layers.backend import DECODER_STEP_MAX_ROWS, use_numba
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
@@ -113,8 +113,8 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] == 1 and use_numba():
-            hidden = self._one_token_step(input_ids, positions)
+        if input_ids.shape[0] <= DECODER_STEP_MAX_ROWS and use_numba():
+            hidden = self._compiled_decode_step(input_ids, positions)
             if hidden is not None:
                 return hidden
         x, residual = self.embed_tokens(input_ids), None
@@ -123,13 +123,14 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def _one_token_step(self, input_ids: torch.Tensor, positions: torch.Tensor
-                        ) -> torch.Tensor | None:
-        """A step of one decoding sequence as one compiled call through every layer
+    def _compiled_decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor
+                              ) -> torch.Tensor | None:
+        """A decode-only step of a few sequences as one compiled call through every layer
         (``kernels.cpu_decoder_step``), for the Llama-shaped stacks it covers; None
         leaves the step to the layers."""
         ctx = get_forward_context()
-        if ctx.num_decode_tokens != 1 or ctx.prefills or ctx.decode_block_tables is None:
+        if (ctx.prefills or ctx.num_decode_tokens != input_ids.shape[0]
+                or ctx.decode_block_tables is None):
             return None
         plan = self.__dict__.get("_decoder_step_plan", False)
         if plan is False:
@@ -140,8 +141,8 @@ class DecoderModel(nn.Module):
             return None
         from rvllm.kernels.cpu_decoder_step import decoder_step
 
-        return decoder_step(plan, int(input_ids[0]), int(positions[0]),
-                            int(ctx.slot_mapping[0]), ctx.decode_block_tables[0].numpy())
+        return decoder_step(plan, input_ids, positions.numpy(), ctx.slot_mapping.numpy(),
+                            ctx.decode_block_tables.numpy())
 
 
 class CausalLM(nn.Module):
