@@ -11,7 +11,15 @@ import torch
 from conftest import hf_greedy
 
 from rvllm import LLM, SamplingParams
-from rvllm.kernels.cpu_decoder_step import build_plan
+
+# rvllm.kernels is imported inside the tests: test_kernels.py must be first to import it
+# (it sets TRITON_INTERPRET=1 before), and pytest imports every test module up front.
+
+
+def build_plan(decoder):  # noqa: ANN001, ANN201
+    from rvllm.kernels.cpu_decoder_step import build_plan
+
+    return build_plan(decoder)
 
 PROMPTS = [[5, 6, 7], [11, 3, 99, 42, 8, 17, 250, 31, 64, 2, 77, 19, 5, 5, 300, 12, 40, 41]]
 NEW_TOKENS = 40  # past Mistral's 24-token window in the test models

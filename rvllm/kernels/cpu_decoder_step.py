@@ -31,11 +31,30 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from numba import prange
+from numba import prange, types
+from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
+
+
+@intrinsic
+def _pointer_like(typingctx, address, like):
+    """A pointer to ``like``'s element type at an integer address: the layers' weights
+    stay where each linear layer keeps them, and the step reaches them through a
+    per-layer array of addresses (``_weight``) instead of a stacked copy."""
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+    return pointer(types.int64, like), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def _weight(addresses, layer, like, rows, cols):
+    return numba.carray(_pointer_like(addresses[layer], like), (rows, cols))
+
 
 # Output rows per parallel work item, as in cpu_gemv.
 _CHUNK = 32
@@ -168,29 +187,32 @@ def _rope(x, cos, sin):
 
 @numba.njit(fastmath=True, cache=True)
 def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
-                  gu_w, gu_s, gu_b, down_w, down_s, down_b, key_cache, value_cache,
-                  windows, tables, positions, slots, cos_table, sin_table, num_heads,
-                  num_kv_heads, head_dim, scale, eps, final_norm, out):
+                  gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
+                  value_cache, windows, tables, positions, slots, cos_table, sin_table,
+                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out):
     """One new token of each of B sequences through every layer. hidden [B, H]: the
-    tokens' embeddings, then the residual stream as the layers run. Per-layer arrays
-    are stacked on a leading layer axis (scales and biases [L, 0] when there are none);
-    key_cache / value_cache [L, blocks, block_size, Hk, D]; tables [B, W] each row's
-    cache blocks; slots [B] where its K/V go (-1: nowhere). Writes the final norm of
-    the last residual to ``out`` [B, H]."""
+    tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
+    layer's row-major weight of that projection, by address (int64 [L]; element type
+    ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
+    [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
+    D]; tables [B, W] each row's cache blocks; slots [B] where its K/V go (-1: nowhere).
+    Writes the final norm of the last residual to ``out`` [B, H]."""
     rows, size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv_rows = q_size + 2 * kv_size
     normed = np.empty((rows, size), np.float32)
     delta = np.empty((rows, size), np.float32)
-    qkv = np.empty((rows, q_size + 2 * kv_size), np.float32)
+    qkv = np.empty((rows, qkv_rows), np.float32)
     attn = np.empty((rows, num_heads, head_dim), np.float32)
-    act = np.empty((rows, gu_w.shape[1] // 2), np.float32)
+    act = np.empty((rows, inter), np.float32)
     scores = np.empty((rows * num_heads, positions.max() + 1), np.float32)
     block_size = key_cache.shape[2]
     for layer in range(norms1.shape[0]):
         if layer > 0:
             hidden += delta
         _rms_norm(hidden, norms1[layer], eps, normed)
-        _matvec(normed, qkv_w[layer], qkv_s[layer], qkv_b[layer], qkv)
+        _matvec(normed, _weight(qkv_w, layer, like, qkv_rows, size), qkv_s[layer],
+                qkv_b[layer], qkv)
         q = np.empty((rows, num_heads, head_dim), np.float32)
         for b in range(rows):
             row = qkv[b]
@@ -209,40 +231,43 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                 value_cache[layer, block, offset] = v
         _attend(q, key_cache[layer], value_cache[layer], tables, positions, windows[layer],
                 scores, attn)
-        _matvec(attn.reshape((rows, q_size)), o_w[layer], o_s[layer], o_b[layer], delta)
+        _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
+                o_s[layer], o_b[layer], delta)
         hidden += delta
         _rms_norm(hidden, norms2[layer], eps, normed)
-        _gate_up_silu(normed, gu_w[layer], gu_s[layer], gu_b[layer], act)
-        _matvec(act, down_w[layer], down_s[layer], down_b[layer], delta)
+        _gate_up_silu(normed, _weight(gu_w, layer, like, 2 * inter, size), gu_s[layer],
+                      gu_b[layer], act)
+        _matvec(act, _weight(down_w, layer, like, size, inter), down_s[layer],
+                down_b[layer], delta)
     hidden += delta
     _rms_norm(hidden, final_norm, eps, out)
 
 
-def _stack_linears(modules: list[nn.Module]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The row-major weights of one projection in every layer, moved into one [L, N, K]
-    array (each module's ``row_major_weight`` then views its slice, so memory does not
-    grow), with scales [L, N] (int8) and biases [L, N], or [L, 0] for none. None when a
-    layer keeps no row-major copy (``--cpu-linear-backend torch``, fp16 weights) or the
-    layers differ in format or shape."""
+def _linears(modules: list[nn.Module]) -> tuple | None:
+    """One projection of every layer: its row-major weights' addresses (int64 [L]), the
+    weights themselves (kept alive with the plan), their element type as an empty array,
+    and the per-row scales (int8) and biases stacked [L, N], or [L, 0] for none. None
+    when a layer keeps no row-major copy (``--cpu-linear-backend torch``, fp16 weights)
+    or the layers differ in format or shape."""
     copies = [getattr(m, "row_major_weight", None) for m in modules]
     if any(c is None for c in copies):
         return None
     if len({(c[0].dtype, c[0].shape, len(c)) for c in copies}) != 1:
         return None
-    num = len(modules)
-    weight = np.empty((num, *copies[0][0].shape), copies[0][0].dtype)
-    scale = np.empty((num, copies[0][0].shape[0] if len(copies[0]) > 1 else 0), np.float32)
-    for i, (m, c) in enumerate(zip(modules, copies)):
-        weight[i] = c[0]
-        if len(c) > 1:
-            scale[i] = c[1]
-        m.row_major_weight = (weight[i],) if len(c) == 1 else (weight[i], scale[i])
+    if not all(c[0].flags.c_contiguous for c in copies):
+        return None
+    weights = [c[0] for c in copies]
+    addresses = np.array([w.ctypes.data for w in weights], dtype=np.int64)
+    rows = weights[0].shape[0]
+    scale = (np.stack([c[1] for c in copies]) if len(copies[0]) > 1
+             else np.empty((len(copies), 0), np.float32))
     biases = [getattr(m, "bias", None) for m in modules]
     if any(b is None for b in biases):
-        bias = np.empty((num, 0), np.float32)
+        bias = np.empty((len(modules), 0), np.float32)
     else:
         bias = torch.stack([b.detach().float() for b in biases]).numpy()
-    return weight, scale, bias
+    assert bias.shape[1] in (0, rows) and scale.shape[1] in (0, rows)
+    return addresses, weights, np.empty(0, weights[0].dtype), scale, bias
 
 
 class DecoderStepPlan:
@@ -273,7 +298,7 @@ class DecoderStepPlan:
 def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     """The plan for ``decoder`` (a ``DecoderModel``), or None when its layers are not
     exactly the Llama shape this kernel computes or its linear layers keep no row-major
-    copies. Moves those copies into stacked arrays (same memory)."""
+    copies."""
     from rvllm.distributed import get_tp_size
     from rvllm.layers.norm import RMSNorm
     from rvllm.layers.rotary import RotaryEmbedding
@@ -298,15 +323,22 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
                 or layer.self_attn.rotary_emb.cos_cache.data_ptr()
                 != first.self_attn.rotary_emb.cos_cache.data_ptr()):
             return None
-    attrs: dict[str, Any] = {}
+    attrs: dict[str, Any] = {"weights": []}
+    likes = set()
     for name, get in (("qkv", lambda layer: layer.self_attn.qkv_proj),
                       ("o", lambda layer: layer.self_attn.o_proj),
                       ("gu", lambda layer: layer.mlp.gate_up_proj),
                       ("down", lambda layer: layer.mlp.down_proj)):
-        stacked = _stack_linears([get(layer) for layer in layers])
-        if stacked is None:
+        found = _linears([get(layer) for layer in layers])
+        if found is None:
             return None
-        attrs[f"{name}_w"], attrs[f"{name}_s"], attrs[f"{name}_b"] = stacked
+        addresses, weights, like, attrs[f"{name}_s"], attrs[f"{name}_b"] = found
+        attrs[f"{name}_w"] = addresses
+        attrs["weights"].append(weights)
+        attrs["like"] = like
+        likes.add(like.dtype)
+    if len(likes) != 1:
+        return None  # one weight format for the whole stack
 
     attn0, rotary = first.self_attn, first.self_attn.rotary_emb
     num_heads, num_kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
@@ -322,7 +354,8 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
         "final_norm": decoder.norm.weight.detach().numpy(),
         "embedding": decoder.embed_tokens.weight.detach(),
-        "max_rows": MAX_ROWS_INT8 if attrs["qkv_w"].dtype == np.int8 else MAX_ROWS,
+        "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
+        "inter": first.mlp.gate_up_proj.row_major_weight[0].shape[0] // 2,
     })
     return DecoderStepPlan(layers, attrs)
 
@@ -341,7 +374,8 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
                   plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
-                  plan.down_w, plan.down_s, plan.down_b, caches[0], caches[1],
+                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, caches[0],
+                  caches[1],
                   plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
                   plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
                   plan.final_norm, out.numpy())
@@ -352,10 +386,14 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) the step for float32 and int8 weights on a
     one-layer toy stack, so a model's first decode step does not pay for it."""
     heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 8
+    kept = []  # the toy weights stay alive while the step reads them by address
     for dtype in (np.float32, np.int8):
-        def linear(rows: int, cols: int, dtype: type = dtype) -> tuple:
+        def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
+            weight = np.zeros((rows, cols), dtype)
+            kept.append(weight)
             scale = np.ones((1, rows if dtype is np.int8 else 0), np.float32)
-            return (np.zeros((1, rows, cols), dtype), scale, np.empty((1, 0), np.float32))
+            return (np.array([weight.ctypes.data], np.int64), scale,
+                    np.empty((1, 0), np.float32))
 
         ones = np.ones((1, hidden), np.float32)
         cache = np.zeros((1, 1, 4, kv_heads, dim), np.float32)
@@ -364,7 +402,7 @@ def warm_up() -> None:
         _decoder_step(np.zeros((1, hidden), np.float32), ones,
                       *linear((heads + 2 * kv_heads) * dim, hidden),
                       *linear(hidden, heads * dim), ones, *linear(2 * inter, hidden),
-                      *linear(hidden, inter), cache, cache, zeros, np.zeros((1, 1), np.int64),
-                      zeros, zeros, rope, rope, heads, kv_heads, dim, np.float32(1.0),
-                      np.float32(1e-6), np.ones(hidden, np.float32),
-                      np.empty((1, hidden), np.float32))
+                      *linear(hidden, inter), np.empty(0, dtype), inter, cache, cache,
+                      zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
+                      kv_heads, dim, np.float32(1.0), np.float32(1e-6),
+                      np.ones(hidden, np.float32), np.empty((1, hidden), np.float32))
