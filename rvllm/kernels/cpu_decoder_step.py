@@ -271,21 +271,32 @@ def _linears(modules: list[nn.Module]) -> tuple | None:
 
 
 class DecoderStepPlan:
-    """Everything ``_decoder_step`` reads for one model, gathered once: each kind of
-    per-layer array stacked over the layers and the rotary tables. The
-    KV caches are looked up per step (the engine allocates them after loading)."""
+    """Everything ``_decoder_step`` reads for one model, gathered once: the weights'
+    addresses (the weights themselves stay with their linear layers; the plan keeps them
+    alive too), the small per-layer arrays stacked over the layers, the rotary tables.
+    The KV caches are looked up when the engine has allocated them."""
 
     def __init__(self, layers: list[nn.Module], attrs: dict[str, Any]) -> None:
         self.layers = layers
         self.__dict__.update(attrs)
+        self._caches: tuple[tuple, tuple[np.ndarray, np.ndarray] | None] | None = None
 
     def caches(self) -> tuple[np.ndarray, np.ndarray] | None:
         """[L, blocks, block_size, Hk, D] keys and values, when every layer's cache is a
-        slice of one allocation (``ModelRunner.allocate_kv_cache``); else None."""
+        slice of one allocation (``ModelRunner.allocate_kv_cache``); else None. Checked
+        again only when the first layer's cache moves or changes shape."""
         first = self.layers[0].self_attn.attn.kv_cache
+        if first is None:
+            return None
+        key = (first[0].data_ptr(), first[1].data_ptr(), tuple(first[0].shape))
+        if self._caches is None or self._caches[0] != key:
+            self._caches = (key, self._stacked_caches())
+        return self._caches[1]
+
+    def _stacked_caches(self) -> tuple[np.ndarray, np.ndarray] | None:
         stacked = []
         for which in (0, 1):
-            base = first[which]._base
+            base = self.layers[0].self_attn.attn.kv_cache[which]._base
             if base is None or base.dim() != 5 or base.shape[0] != len(self.layers):
                 return None
             if any(layer.self_attn.attn.kv_cache[which].data_ptr() != base[i].data_ptr()
@@ -374,8 +385,7 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
                   plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
-                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, caches[0],
-                  caches[1],
+                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
                   plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
                   plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
                   plan.final_norm, out.numpy())
