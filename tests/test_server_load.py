@@ -71,7 +71,9 @@ def test_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(serv
 
 def test_client_that_times_out_on_a_whole_response_is_aborted(server):
     before = scrape(server.url).get("vllm:request_success_total{finished_reason=abort}", 0.0)
-    body = {"prompt": "Too slow", "max_tokens": 230, "ignore_eos": True}
+    # 16 sequences of 230 tokens: 0.85 s offline on the test model, so the 0.3 s timeout
+    # fires first (one sequence alone takes 0.13 s since decode steps of a few run compiled).
+    body = {"prompt": "Too slow", "max_tokens": 230, "ignore_eos": True, "n": 16}
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
