@@ -103,7 +103,7 @@ def test_hidden_states_match_the_layers_and_each_row_alone(llama_dir: Path,
     llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8,
               quantization=quantization)
     decoder = llm.engine.model.model
-    plan = decoder._decoder_step_plan
+    plan = build_plan(decoder)
     assert plan is not None and plan.max_rows == (4 if quantization else 8)
     assert plan.caches() is not None  # one stacked allocation: the fused step can run
     metadata, ids, positions = _decode_inputs(llm, [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10]], 8)

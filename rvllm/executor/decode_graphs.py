@@ -110,4 +110,3 @@ class DecodeGraphs:
         inputs = {"input_ids": ids, "positions": pos, "slot_mapping": slot,
                   "seq_lens": lens, "block_tables": table.view(batch, width)}
         return self.runner.run(inputs)
-

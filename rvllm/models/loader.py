@@ -103,15 +103,5 @@ def _finish(model: nn.Module, start: float, cpu_linear_backend: str,
             quantization: str | None) -> nn.Module:
     model.eval()
     model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization)
-    from rvllm.layers.backend import use_numba
-    from rvllm.models.base import DecoderModel
-
-    decoder = getattr(model, "model", None)
-    if use_numba() and isinstance(decoder, DecoderModel):
-        # Now, not at the first one-row step: the plan moves the weights' row-major
-        # copies into stacked arrays, a copy the size of the model.
-        from rvllm.kernels.cpu_decoder_step import build_plan
-
-        decoder._decoder_step_plan = build_plan(decoder)
     model.load_seconds = time.perf_counter() - start
     return model
