@@ -353,6 +353,14 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
 
     attn0, rotary = first.self_attn, first.self_attn.rotary_emb
     num_heads, num_kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+    hidden = decoder.norm.weight.shape[0]
+    inter = first.mlp.gate_up_proj.row_major_weight[0].shape[0] // 2
+    q_size = num_heads * head_dim
+    # The kernel reads each weight by address at these shapes: they must be exact.
+    expected = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
+                "gu": (2 * inter, hidden), "down": (hidden, inter)}
+    if any(attrs["weights"][i][0].shape != shape for i, shape in enumerate(expected.values())):
+        return None
     attrs.update({
         "norms1": torch.stack([layer.input_layernorm.weight.detach() for layer in layers])
         .numpy(),
@@ -366,7 +374,7 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "final_norm": decoder.norm.weight.detach().numpy(),
         "embedding": decoder.embed_tokens.weight.detach(),
         "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
-        "inter": first.mlp.gate_up_proj.row_major_weight[0].shape[0] // 2,
+        "inter": inter,
     })
     return DecoderStepPlan(layers, attrs)
 
