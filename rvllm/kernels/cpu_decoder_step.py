@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads
+from rvllm.kernels.cpu_gemv import _CHUNK, _dot, _matvec, _widen
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
 
@@ -56,48 +57,8 @@ def _weight(addresses, layer, like, rows, cols):
     return numba.carray(_pointer_like(addresses[layer], like), (rows, cols))
 
 
-# Output rows per parallel work item, as in cpu_gemv.
-_CHUNK = 32
 # Decode steps of at most this many sequences run here (float32 weights, int8 weights).
 MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
-
-
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _dot(w, r, x, b):
-    acc = np.float32(0.0)
-    for i in range(w.shape[1]):
-        acc += np.float32(w[r, i]) * x[b, i]
-    return acc
-
-
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _widen(w, r, buf):
-    """Weight row r as float32 in buf: an int8 row widened once for all B dot products
-    (a float32 row is copied, from cache: the cost is the same one read from memory)."""
-    for i in range(w.shape[1]):
-        buf[0, i] = np.float32(w[r, i])
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _matvec(x, w, scale, bias, out):
-    """out [B, N] = x [B, K] W^T (times the per-row scale of an int8 W) (+ bias); empty
-    scale / bias arrays mean none. Each weight row is read from memory once and stays in
-    cache for the B dot products."""
-    n, k = w.shape
-    rows = x.shape[0]
-    has_scale, has_bias = scale.shape[0] > 0, bias.shape[0] > 0
-    for chunk in prange((n + _CHUNK - 1) // _CHUNK):
-        buf = np.empty((1, k), np.float32)
-        for r in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
-            if rows > 1:
-                _widen(w, r, buf)
-            for b in range(rows):
-                acc = _dot(w, r, x, b) if rows == 1 else _dot(x, b, buf, 0)
-                if has_scale:
-                    acc *= scale[r]
-                if has_bias:
-                    acc += bias[r]
-                out[b, r] = acc
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)

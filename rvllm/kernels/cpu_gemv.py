@@ -14,7 +14,9 @@ So a linear layer with this path keeps its weight row-major beside the packed co
   ``F.linear(x, q.float() * scale[:, None])`` up to summation order.
 
 Output rows are shared out in chunks over numba's threads. Float32 accumulation with
-``fastmath``: the same numbers as ``F.linear`` up to the order of the sums.
+``fastmath``: the same numbers as ``F.linear`` up to the order of the sums. ``_matvec``
+also takes a few rows at once (each weight row read from memory once for all of them)
+and a bias: the compiled decoder step (``cpu_decoder_step``) calls it too.
 """
 
 from __future__ import annotations
@@ -28,26 +30,45 @@ import torch
 _CHUNK = 32
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _gemv_f32(x, weight, out):
-    n, k = weight.shape
-    for chunk in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        for row in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
-            acc = np.float32(0.0)
-            for i in range(k):
-                acc += weight[row, i] * x[0, i]
-            out[0, row] = acc
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _dot(w, r, x, b):
+    acc = np.float32(0.0)
+    for i in range(w.shape[1]):
+        acc += np.float32(w[r, i]) * x[b, i]
+    return acc
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _widen(w, r, buf):
+    """Weight row r as float32 in buf: an int8 row widened once for all B dot products
+    (a float32 row is copied, from cache: the cost is the same one read from memory)."""
+    for i in range(w.shape[1]):
+        buf[0, i] = np.float32(w[r, i])
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _gemv_int8(x, weight, scale, out):
-    n, k = weight.shape
+def _matvec(x, w, scale, bias, out):
+    """out [B, N] = x [B, K] W^T (times the per-row scale of an int8 W) (+ bias); empty
+    scale / bias arrays mean none. Each weight row is read from memory once and stays in
+    cache for the B dot products."""
+    n, k = w.shape
+    rows = x.shape[0]
+    has_scale, has_bias = scale.shape[0] > 0, bias.shape[0] > 0
     for chunk in numba.prange((n + _CHUNK - 1) // _CHUNK):
-        for row in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
-            acc = np.float32(0.0)
-            for i in range(k):
-                acc += np.float32(weight[row, i]) * x[0, i]
-            out[0, row] = acc * scale[row]
+        buf = np.empty((1, k), np.float32)
+        for r in range(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK)):
+            if rows > 1:
+                _widen(w, r, buf)
+            for b in range(rows):
+                acc = _dot(w, r, x, b) if rows == 1 else _dot(x, b, buf, 0)
+                if has_scale:
+                    acc *= scale[r]
+                if has_bias:
+                    acc += bias[r]
+                out[b, r] = acc
+
+
+_EMPTY = np.empty(0, np.float32)
 
 
 def row_major(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple:
@@ -62,15 +83,13 @@ def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
     Runs on as many threads as numba has; ``step_arrays`` of the decode attention kernel
     matches that to torch's once per step."""
     out = torch.empty(1, weights[0].shape[0], dtype=torch.float32)
-    if len(weights) == 1:
-        _gemv_f32(x.numpy(), weights[0], out.numpy())
-    else:
-        _gemv_int8(x.numpy(), weights[0], weights[1], out.numpy())
+    scale = weights[1] if len(weights) > 1 else _EMPTY
+    _matvec(x.numpy(), weights[0], scale, _EMPTY, out.numpy())
     return out
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) both kernels on tiny inputs."""
+    """Compile (or load from numba's cache) the kernel for float32 and int8 weights."""
     x = torch.zeros(1, 4)
     gemv(x, row_major(torch.zeros(2, 4)))
     gemv(x, row_major(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))
