@@ -10,10 +10,10 @@ block, for all the query heads that share it (GQA), with no padding.
 
 One work item is one sequence, or a run of its blocks when there are fewer sequences
 than threads to keep busy (split-KV, merged after). It walks its blocks in order, each
-a contiguous run of memory: scores for all query heads, an online-softmax update, and
-the weighted values. Items run in parallel on numba's threads (as many as torch's).
-Float32 only, the CPU's compute dtype; the torch path is the reference it is tested
-against, and what runs in other dtypes.
+a contiguous run of memory, twice: the scores of all query heads, then (after a softmax
+over each head's scores) the weighted values. Items run in parallel on numba's threads
+(as many as torch's). Float32 only, the CPU's compute dtype; the torch path is the
+reference it is tested against, and what runs in other dtypes.
 
 numba compiles the kernel on its first call (a few seconds) and caches the machine
 code next to this file, or under ``NUMBA_CACHE_DIR``, so later processes load it in
@@ -27,14 +27,17 @@ import numpy as np
 import torch
 
 from rvllm.kernels import match_torch_threads
+from rvllm.kernels.cpu_math import exp32
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, window, soft_cap,
                  num_splits, part_max, part_sum, part_out, item):
     """One sequence's attention over one contiguous run of its blocks, as an unnormalised
-    partial result: per query head the running max score, the sum of exp(score - max),
-    and the exp-weighted sum of values (online softmax, a block at a time)."""
+    partial result: per query head the max score, the sum of exp(score - max), and the
+    exp-weighted sum of values. Two passes over the run: every score first (each key row
+    read once for the query heads that share it), one softmax per head over its row of
+    scores (``exp32``: vectorised), then the weighted values."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -45,52 +48,53 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
     per_split = (last_block - first_block) // num_splits + 1
     lo = first_block + split * per_split
     hi = min(lo + per_split, last_block + 1)
+    t_lo, t_hi = max(lo * block_size, start), min(hi * block_size, end)
+    count = max(t_hi - t_lo, 0)
 
     queries = np.empty((num_heads, head_dim), np.float32)
     for h in range(num_heads):
         for d in range(head_dim):
             queries[h, d] = q[seq, h, d] * scale
-    running_max = np.full(num_heads, -np.inf, np.float32)
-    running_sum = np.zeros(num_heads, np.float32)
-    acc = np.zeros((num_heads, head_dim), np.float32)
-    scores = np.empty((block_size, num_heads), np.float32)
+    scores = np.empty((num_heads, count), np.float32)
     for b in range(lo, hi):
         # A block's keys (and values) are one contiguous run of memory: read it in order.
         keys = key_cache[block_tables[seq, b]]
-        values = value_cache[block_tables[seq, b]]
-        t0 = max(start - b * block_size, 0)
-        t1 = min(end - b * block_size, block_size)
+        t0, t1 = max(t_lo - b * block_size, 0), min(t_hi - b * block_size, block_size)
+        base = b * block_size - t_lo
         for t in range(t0, t1):
-            for h in range(num_heads):
-                kv_head = h // group
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += queries[h, d] * keys[t, kv_head, d]
-                if soft_cap > 0:
-                    s = soft_cap * np.tanh(s / soft_cap)
-                scores[t, h] = s
-        for h in range(num_heads):
-            new_max = running_max[h]
-            for t in range(t0, t1):
-                new_max = max(new_max, scores[t, h])
-            rescale = np.exp(running_max[h] - new_max)
-            running_max[h] = new_max
-            running_sum[h] *= rescale
-            for d in range(head_dim):
-                acc[h, d] *= rescale
-            for t in range(t0, t1):
-                p = np.exp(scores[t, h] - new_max)
-                scores[t, h] = p
-                running_sum[h] += p
-        for t in range(t0, t1):
-            for h in range(num_heads):
-                kv_head = h // group
-                p = scores[t, h]
-                for d in range(head_dim):
-                    acc[h, d] += p * values[t, kv_head, d]
+            for kv in range(num_kv_heads):
+                key = keys[t, kv]
+                for h in range(kv * group, (kv + 1) * group):
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += queries[h, d] * key[d]
+                    if soft_cap > 0:
+                        s = soft_cap * np.tanh(s / soft_cap)
+                    scores[h, base + t] = s
     for h in range(num_heads):
-        part_max[seq, split, h] = running_max[h]
-        part_sum[seq, split, h] = running_sum[h]
+        top = np.float32(-np.inf)
+        for i in range(count):
+            top = max(top, scores[h, i])
+        total = np.float32(0.0)
+        for i in range(count):
+            p = exp32(scores[h, i] - top)
+            scores[h, i] = p
+            total += p
+        part_max[seq, split, h] = top
+        part_sum[seq, split, h] = total
+    acc = np.zeros((num_heads, head_dim), np.float32)
+    for b in range(lo, hi):
+        values = value_cache[block_tables[seq, b]]
+        t0, t1 = max(t_lo - b * block_size, 0), min(t_hi - b * block_size, block_size)
+        base = b * block_size - t_lo
+        for t in range(t0, t1):
+            for kv in range(num_kv_heads):
+                value = values[t, kv]
+                for h in range(kv * group, (kv + 1) * group):
+                    p = scores[h, base + t]
+                    for d in range(head_dim):
+                        acc[h, d] += p * value[d]
+    for h in range(num_heads):
         for d in range(head_dim):
             part_out[seq, split, h, d] = acc[h, d]
 
@@ -116,6 +120,8 @@ def _paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, wind
             for d in range(head_dim):
                 out[seq, h, d] = 0.0
             for split in range(num_splits):
+                if part_max[seq, split, h] == -np.inf:
+                    continue  # an empty split
                 weight = np.exp(part_max[seq, split, h] - top)
                 total += weight * part_sum[seq, split, h]
                 for d in range(head_dim):

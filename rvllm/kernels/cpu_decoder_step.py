@@ -37,6 +37,7 @@ from torch import nn
 
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_gemv import _CHUNK, _dot, _matvec, _widen
+from rvllm.kernels.cpu_math import exp32
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
 
@@ -85,7 +86,7 @@ def _gate_up_silu(x, w, scale, bias, out):
                 if has_bias:
                     g += bias[r]
                     u += bias[r + inter]
-                out[b, r] = g / (np.float32(1.0) + np.exp(-g)) * u
+                out[b, r] = g / (np.float32(1.0) + exp32(-g)) * u
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -101,7 +102,7 @@ def _attend(q, key_cache, value_cache, tables, positions, window, scores, out):
         b, h = item // num_heads, item % num_heads
         kv, table, length = h // group, tables[b], positions[b] + 1
         start = length - window if 0 < window < length else 0
-        top = -np.inf
+        top = np.float32(-np.inf)
         for t in range(start, length):
             block, slot = table[t // block_size], t % block_size
             s = np.float32(0.0)
@@ -113,8 +114,11 @@ def _attend(q, key_cache, value_cache, tables, positions, window, scores, out):
             out[b, h, d] = 0.0
         total = np.float32(0.0)
         for t in range(start, length):
-            p = np.exp(scores[item, t] - top)
+            p = exp32(scores[item, t] - top)
+            scores[item, t] = p
             total += p
+        for t in range(start, length):
+            p = scores[item, t]
             block, slot = table[t // block_size], t % block_size
             for d in range(head_dim):
                 out[b, h, d] += p * value_cache[block, slot, kv, d]
