@@ -1,6 +1,7 @@
-"""The one-token decoder step in numba (kernels/cpu_decoder_step.py) against the torch
-layers it replaces and against transformers: float32 and int8 weights, GQA, Qwen2's
-biases, Mistral's sliding window, and the models it must leave to the layers."""
+"""The decode steps in numba against the torch layers they replace and against
+transformers: the one-call step of a few rows (kernels/cpu_decoder_step.py) and the
+batch step of more (kernels/cpu_batch_step.py); float32 and int8 weights, GQA, Qwen2's
+biases, Mistral's sliding window, and the models they must leave to the layers."""
 
 from __future__ import annotations
 
@@ -119,6 +120,65 @@ def test_hidden_states_match_the_layers_and_each_row_alone(llama_dir: Path,
     if quantization is None:  # int8 layers quantize a batch's activations; this does not
         torch.testing.assert_close(together, run([0, 1, 2], fused=False), atol=1e-5,
                                    rtol=1e-5)
+
+
+# More rows than the one-call step takes (8 float32, 4 int8): the batch step runs.
+BATCH = [[3 + i, 40 + 7 * i, 9] + list(range(11, 11 + i)) for i in range(10)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_batch_step_matches_transformers_and_the_layers(model_dirs: dict[str, Path],
+                                                        arch: str) -> None:
+    llm = LLM(str(model_dirs[arch]), kernel_backend="numba", block_size=8)
+    decoder = llm.engine.model.model
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    calls = []
+    from rvllm.kernels import cpu_batch_step
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls.append(args[1].shape[0])
+        return batch_step(*args)
+
+    batch_step, cpu_batch_step.batch_step = cpu_batch_step.batch_step, counted
+    try:
+        outs = llm.generate(BATCH, params)
+    finally:
+        cpu_batch_step.batch_step = batch_step
+    assert calls and max(calls) == len(BATCH)  # it did run, on every row at once
+    want = hf_greedy(model_dirs[arch], BATCH, NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    decoder._decoder_step_plan = None  # the layers
+    layers = llm.generate(BATCH, params)
+    for out, ref in zip(outs, layers):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].cumulative_logprob == pytest.approx(
+            ref.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_batch_step_hidden_states_match_the_layers(llama_dir: Path) -> None:
+    """One step of ten sequences from the same cache, through the batch step and through
+    the layers: float32 to rounding; int8 (whose layers scale each row the same way, but
+    round in another order, so an activation may land on the next int8 step) as far from
+    float32 as the int8 layers are."""
+    from rvllm.forward_context import set_forward_context
+
+    hidden = {}
+    for quantization in (None, "int8"):
+        llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8,
+                  quantization=quantization)
+        decoder = llm.engine.model.model
+        plan = build_plan(decoder)
+        assert plan is not None and plan.caches() is not None
+        metadata, ids, positions = _decode_inputs(llm, BATCH, 8)
+        for fused in (True, False):
+            decoder._decoder_step_plan = plan if fused else None
+            with torch.inference_mode(), set_forward_context(metadata(list(range(len(BATCH))))):
+                hidden[quantization, fused] = decoder(ids, positions)
+    reference = hidden[None, False]
+    torch.testing.assert_close(hidden[None, True], reference, atol=1e-5, rtol=1e-5)
+    layers_error = (hidden["int8", False] - reference).abs().max()
+    assert 0 < layers_error < 0.5
+    assert (hidden["int8", True] - reference).abs().max() <= 1.25 * layers_error
 
 
 def test_other_shapes_keep_the_layers(model_dirs: dict[str, Path]) -> None:

@@ -474,7 +474,7 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) ->
 
         start = time.perf_counter()
         warm_up_numba()
-        logger.info("numba kernels (decode attention, one-row GEMV, decoder step) ready in "
+        logger.info("numba kernels (decode attention, one-row GEMV, decoder steps) ready in "
                     "%.1fs", time.perf_counter() - start)
     if backend == "triton":
         from rvllm.kernels import check_kernels

@@ -12,7 +12,7 @@ from torch import nn
 
 from rvllm.forward_context import get_forward_context
 from rvllm.layers.attention import Attention
-from rvllm.layers.backend import DECODER_STEP_MAX_ROWS, use_numba
+from rvllm.layers.backend import use_numba
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
@@ -113,7 +113,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] <= DECODER_STEP_MAX_ROWS and use_numba():
+        if use_numba():
             hidden = self._compiled_decode_step(input_ids, positions)
             if hidden is not None:
                 return hidden
@@ -125,9 +125,10 @@ class DecoderModel(nn.Module):
 
     def _compiled_decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor
                               ) -> torch.Tensor | None:
-        """A decode-only step of a few sequences as one compiled call through every layer
-        (``kernels.cpu_decoder_step``), for the Llama-shaped stacks it covers; None
-        leaves the step to the layers."""
+        """A decode-only step through the Llama-shaped stacks the CPU kernels cover: a few
+        sequences as one compiled call through every layer (``kernels.cpu_decoder_step``),
+        more as the layers' GEMMs with numba kernels between them
+        (``kernels.cpu_batch_step``); None leaves the step to the layers."""
         ctx = get_forward_context()
         if (ctx.prefills or ctx.num_decode_tokens != input_ids.shape[0]
                 or ctx.decode_block_tables is None):
@@ -139,10 +140,15 @@ class DecoderModel(nn.Module):
             plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
         if plan is None:
             return None
-        from rvllm.kernels.cpu_decoder_step import decoder_step
+        args = (plan, input_ids, positions.numpy(), ctx.slot_mapping.numpy(),
+                ctx.decode_block_tables.numpy())
+        if input_ids.shape[0] <= plan.max_rows:
+            from rvllm.kernels.cpu_decoder_step import decoder_step
 
-        return decoder_step(plan, input_ids, positions.numpy(), ctx.slot_mapping.numpy(),
-                            ctx.decode_block_tables.numpy())
+            return decoder_step(*args)
+        from rvllm.kernels.cpu_batch_step import batch_step
+
+        return batch_step(*args)
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,230 @@
+"""A decode step of many sequences through a Llama-shaped stack: the layers' own GEMMs
+(fbgemm's int8, oneDNN's float32) with everything between them in three numba calls
+a layer.
+
+Past ``cpu_decoder_step``'s few rows a decode step is arithmetic-bound in its linear
+layers, where the packed GEMMs win; but through the layers each of the ~45 torch
+operations a layer around them (norms, the int8 path's per-row scaling, RoPE, the cache
+write, SiLU*mul, the residual adds) costs a few microseconds to dispatch and another
+pass over its tensor, and at 32 sequences they took as long as attention. Here, per
+layer:
+
+1. ``_add_norm``: the residual add of the last projection's output (times its
+   rows' scales, plus its bias), RMSNorm, and, for int8 weights, each row divided by
+   its largest magnitude (fbgemm quantizes its whole input with one scale; this makes
+   it per token, as the layers' int8 path does);
+2. the QKV GEMM;
+3. ``_attention``: scales and bias, RoPE, the cache write, paged decode attention
+   (``cpu_decode_attention``), and the rows' scaling for the output projection;
+4. the output projection's GEMM, then ``_add_norm`` again;
+5. the gate/up GEMM, then ``_silu_mul``: scales, bias, SiLU(gate) * up, scaling;
+6. the down projection's GEMM, whose output the next layer's ``_add_norm`` takes.
+
+It serves the stacks ``cpu_decoder_step.build_plan`` accepts whose linear layers are
+packed for oneDNN or fbgemm int8; the layers are the reference it is tested against
+(``tests/test_cpu_decoder_step.py``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from rvllm.kernels import match_torch_threads
+from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
+from rvllm.kernels.cpu_math import exp32
+
+_TINY = np.float32(1e-10)
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _scale_row(x, b, scales, quantize):
+    """Divide row b of x by its largest magnitude (kept in scales[b]) when quantizing."""
+    if quantize:
+        top = _TINY
+        for i in range(x.shape[1]):
+            top = max(top, abs(x[b, i]))
+        inv = np.float32(1.0) / top
+        for i in range(x.shape[1]):
+            x[b, i] *= inv
+        scales[b] = top
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _add_norm(hidden, delta, delta_scale, delta_bias, weight, eps, normed, scales, quantize):
+    """hidden += delta (times delta_scale [B], plus delta_bias [H]; an empty delta: no
+    add), then normed = RMSNorm(hidden) * weight, each row scaled when quantizing."""
+    rows, size = hidden.shape
+    has_delta, has_scale = delta.shape[0] > 0, delta_scale.shape[0] > 0
+    has_bias = delta_bias.shape[0] > 0
+    for b in prange(rows):
+        if has_delta:
+            s = delta_scale[b] if has_scale else np.float32(1.0)
+            for i in range(size):
+                hidden[b, i] += delta[b, i] * s
+            if has_bias:
+                for i in range(size):
+                    hidden[b, i] += delta_bias[i]
+        total = np.float32(0.0)
+        for i in range(size):
+            total += hidden[b, i] * hidden[b, i]
+        inv = np.float32(1.0) / np.sqrt(total / size + eps)
+        for i in range(size):
+            normed[b, i] = hidden[b, i] * inv * weight[i]
+        _scale_row(normed, b, scales, quantize)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots, key_cache,
+               value_cache, tables, lens, window, scale, num_splits, q, out, out_scales,
+               quantize):
+    """Rows of qkv [B, Hq*D + 2*Hk*D] (times qkv_scale [B], plus qkv_bias): RoPE on q and
+    k at each row's position, k and v written to the paged caches [blocks, block_size,
+    Hk, D] at the row's slot (-1: nowhere), then paged attention of q [B, Hq, D] (scratch)
+    over each row's context; out [B, Hq*D], each row scaled when quantizing."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    half = head_dim // 2
+    has_scale, has_bias = qkv_scale.shape[0] > 0, qkv_bias.shape[0] > 0
+    for b in prange(rows):
+        s = qkv_scale[b] if has_scale else np.float32(1.0)
+        row = qkv[b]
+        for i in range(row.shape[0]):
+            row[i] *= s
+        if has_bias:
+            for i in range(row.shape[0]):
+                row[i] += qkv_bias[i]
+        cos, sin = cos_table[positions[b]], sin_table[positions[b]]
+        for h in range(num_heads + num_kv_heads):  # q heads, then k heads
+            base = h * head_dim
+            for i in range(half):
+                x1, x2 = row[base + i], row[base + i + half]
+                row[base + i] = x1 * cos[i] - x2 * sin[i]
+                row[base + i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+        for h in range(num_heads):
+            for d in range(head_dim):
+                q[b, h, d] = row[h * head_dim + d]
+        if slots[b] >= 0:
+            block, offset = slots[b] // block_size, slots[b] % block_size
+            for h in range(num_kv_heads):
+                for d in range(head_dim):
+                    key_cache[block, offset, h, d] = row[q_size + h * head_dim + d]
+                    value_cache[block, offset, h, d] = row[q_size + kv_size + h * head_dim + d]
+    _paged_decode(q, key_cache, value_cache, tables, lens, scale, window, np.float32(0.0),
+                  num_splits, out.reshape((rows, num_heads, head_dim)))
+    if quantize:
+        for b in prange(rows):
+            _scale_row(out, b, out_scales, quantize)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _silu_mul(gate_up, gu_scale, gu_bias, act, scales, quantize):
+    """act [B, I] = SiLU(gate) * up of gate_up [B, 2I] (times gu_scale [B], plus gu_bias),
+    each row scaled when quantizing."""
+    rows, inter = act.shape
+    has_scale, has_bias = gu_scale.shape[0] > 0, gu_bias.shape[0] > 0
+    for b in prange(rows):
+        s = gu_scale[b] if has_scale else np.float32(1.0)
+        for i in range(inter):
+            g, u = gate_up[b, i] * s, gate_up[b, i + inter] * s
+            if has_bias:
+                g += gu_bias[i]
+                u += gu_bias[i + inter]
+            act[b, i] = g / (np.float32(1.0) + exp32(-g)) * u
+        _scale_row(act, b, scales, quantize)
+
+
+def _gemm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x W^T through the module's packed weight, with no bias and no scaling (the
+    kernels around it apply those)."""
+    if module.linear_kind == "int8":
+        return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
+    return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
+
+
+def supported(plan) -> bool:  # noqa: ANN001 - a cpu_decoder_step.DecoderStepPlan
+    """Whether every linear layer of the plan's stack is packed for oneDNN or fbgemm
+    int8, all in one of the two."""
+    kinds = {getattr(m, "linear_kind", None) for layer in plan.layers
+             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+    return kinds in ({"int8"}, {"onednn"})
+
+
+def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: ANN001
+               slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
+    """Final hidden states [B, H] of one new token of each of B sequences (arguments as
+    ``cpu_decoder_step.decoder_step``'s); None when the KV caches are not one stacked
+    allocation or the linear layers are not all packed for oneDNN or fbgemm int8."""
+    caches = plan.caches()
+    if "batch_ok" not in plan.__dict__:
+        plan.batch_ok = supported(plan)
+    if caches is None or not plan.batch_ok:
+        return None
+    match_torch_threads()
+    rows = token_ids.shape[0]
+    quantize = plan.like.dtype == np.int8
+    hidden_t = plan.embedding[token_ids]  # a copy: the residual stream
+    hidden = hidden_t.numpy()
+    normed_t = torch.empty_like(hidden_t)
+    normed = normed_t.numpy()
+    attn_t = torch.empty(rows, plan.num_heads * plan.head_dim)
+    act_t = torch.empty(rows, plan.inter)
+    q = np.empty((rows, plan.num_heads, plan.head_dim), np.float32)
+    in_scales = np.empty(rows if quantize else 0, np.float32)
+    mid_scales = np.empty(rows if quantize else 0, np.float32)
+    none = np.empty(0, np.float32)
+    empty_rows = np.empty((0, hidden.shape[1]), np.float32)
+    lens = positions + 1
+    tables, lens, num_splits = step_arrays(torch.from_numpy(block_tables),
+                                           torch.from_numpy(lens))
+    key_caches, value_caches = caches
+    delta, delta_scale, delta_bias = empty_rows, none, none
+    for i, layer in enumerate(plan.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        _add_norm(hidden, delta, delta_scale, delta_bias, plan.norms1[i], plan.eps, normed,
+                  in_scales, quantize)
+        qkv = _gemm(attn.qkv_proj, normed_t)
+        _attention(qkv.numpy(), in_scales, plan.qkv_b[i], plan.cos, plan.sin, positions,
+                   slots, key_caches[i], value_caches[i], tables, lens, plan.windows[i],
+                   plan.scale, num_splits, q, attn_t.numpy(), mid_scales, quantize)
+        o = _gemm(attn.o_proj, attn_t)
+        _add_norm(hidden, o.numpy(), mid_scales, plan.o_b[i], plan.norms2[i], plan.eps,
+                  normed, in_scales, quantize)
+        gate_up = _gemm(mlp.gate_up_proj, normed_t)
+        _silu_mul(gate_up.numpy(), in_scales, plan.gu_b[i], act_t.numpy(), mid_scales,
+                  quantize)
+        delta, delta_scale, delta_bias = (_gemm(mlp.down_proj, act_t).numpy(), mid_scales,
+                                          plan.down_b[i])
+    out = torch.empty_like(hidden_t)
+    _add_norm(hidden, delta, delta_scale, delta_bias, plan.final_norm, plan.eps, out.numpy(),
+              none, False)
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the three kernels in both forms (float32 and
+    int8 scaling), so a model's first wide decode step does not pay for it."""
+    rows, heads, kv_heads, dim = 1, 2, 1, 4
+    hidden, inter = heads * dim, 4
+    ones = np.ones(hidden, np.float32)
+    for quantize in (False, True):
+        scales = np.ones(rows if quantize else 0, np.float32)
+        none = np.empty(0, np.float32)
+        x = np.zeros((rows, hidden), np.float32)
+        _add_norm(x, np.empty((0, hidden), np.float32), none, none, ones, np.float32(1e-6),
+                  np.empty_like(x), scales, quantize)
+        qkv = np.zeros((rows, (heads + 2 * kv_heads) * dim), np.float32)
+        cache = np.zeros((1, 4, kv_heads, dim), np.float32)
+        rope = np.ones((4, dim), np.float32)
+        zero = np.zeros(rows, np.int64)
+        _attention(qkv, scales, none, rope, rope, zero, zero, cache, cache,
+                   np.zeros((rows, 1), np.int64), zero + 1, np.int64(0), np.float32(1.0),
+                   np.int64(1), np.empty((rows, heads, dim), np.float32),
+                   np.empty((rows, heads * dim), np.float32), scales, quantize)
+        _silu_mul(np.zeros((rows, 2 * inter), np.float32), scales, none,
+                  np.empty((rows, inter), np.float32), scales, quantize)
