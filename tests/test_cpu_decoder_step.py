@@ -66,7 +66,9 @@ def test_fused_step_with_int8_weights_matches_the_int8_layers(llama_dir: Path) -
         assert plan is not None and plan.caches() is not None
         layer_tokens, layer_logprob = generate(llm, prompt, fused=False)
         assert tokens == layer_tokens
-        assert logprob == pytest.approx(layer_logprob, abs=1e-3)
+        # The prompt's int8 prefill (the batch step's) rounds in another order than the
+        # layers', so an activation may land on the next int8 step: close, not equal.
+        assert logprob == pytest.approx(layer_logprob, rel=1e-3)
 
 
 def _decode_inputs(llm: LLM, prompts: list[list[int]], bs: int):
@@ -144,7 +146,8 @@ def test_batch_step_matches_transformers_and_the_layers(model_dirs: dict[str, Pa
         outs = llm.generate(BATCH, params)
     finally:
         cpu_batch_step.batch_step = batch_step
-    assert calls and max(calls) == len(BATCH)  # it did run, on every row at once
+    # It ran the prompts' prefill (all their tokens) and decode steps of every row.
+    assert sum(map(len, BATCH)) in calls and len(BATCH) in calls
     want = hf_greedy(model_dirs[arch], BATCH, NEW_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == want
     decoder._decoder_step_plan = None  # the layers

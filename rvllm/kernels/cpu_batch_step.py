@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from numba import prange
 
+from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_math import exp32
@@ -80,10 +81,12 @@ def _add_norm(hidden, delta, delta_scale, delta_bias, weight, eps, normed, scale
 def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots, key_cache,
                value_cache, tables, lens, window, scale, num_splits, q, out, out_scales,
                quantize):
-    """Rows of qkv [B, Hq*D + 2*Hk*D] (times qkv_scale [B], plus qkv_bias): RoPE on q and
-    k at each row's position, k and v written to the paged caches [blocks, block_size,
-    Hk, D] at the row's slot (-1: nowhere), then paged attention of q [B, Hq, D] (scratch)
-    over each row's context; out [B, Hq*D], each row scaled when quantizing."""
+    """Rows of qkv [T, Hq*D + 2*Hk*D] (times qkv_scale [T], plus qkv_bias), in place: RoPE
+    on q and k at each row's position, then k and v written to the paged caches [blocks,
+    block_size, Hk, D] at the row's slot (-1: nowhere) and q copied to q [T, Hq, D]. Then
+    the first D = tables.shape[0] rows (the decodes) attend over their paged contexts into
+    out [T, Hq*D]; when quantizing, every row of out is then scaled (so with prefill
+    rows, whose attention is the caller's, pass quantize False and scale after)."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -114,11 +117,19 @@ def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots,
                 for d in range(head_dim):
                     key_cache[block, offset, h, d] = row[q_size + h * head_dim + d]
                     value_cache[block, offset, h, d] = row[q_size + kv_size + h * head_dim + d]
-    _paged_decode(q, key_cache, value_cache, tables, lens, scale, window, np.float32(0.0),
-                  num_splits, out.reshape((rows, num_heads, head_dim)))
+    decodes = tables.shape[0]
+    if decodes > 0:
+        _paged_decode(q[:decodes], key_cache, value_cache, tables, lens, scale, window,
+                      np.float32(0.0), num_splits,
+                      out[:decodes].reshape((decodes, num_heads, head_dim)))
+    _scale_rows(out, out_scales, quantize)
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _scale_rows(x, scales, quantize):
     if quantize:
-        for b in prange(rows):
-            _scale_row(out, b, out_scales, quantize)
+        for b in prange(x.shape[0]):
+            _scale_row(x, b, scales, quantize)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -156,34 +167,39 @@ def supported(plan) -> bool:  # noqa: ANN001 - a cpu_decoder_step.DecoderStepPla
 
 
 def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: ANN001
-               slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
-    """Final hidden states [B, H] of one new token of each of B sequences (arguments as
-    ``cpu_decoder_step.decoder_step``'s); None when the KV caches are not one stacked
-    allocation or the linear layers are not all packed for oneDNN or fbgemm int8."""
+               slots: np.ndarray, ctx: AttentionMetadata) -> torch.Tensor | None:
+    """Final hidden states [T, H] of a step's T new tokens (token ids, their positions and
+    cache slots, int64; ``ctx``: the step's attention metadata, decodes first), or None
+    when the KV caches are not one stacked allocation or the linear layers are not all
+    packed for oneDNN or fbgemm int8. Prefill chunks attend through their layer's torch
+    attention (SDPA, as the layers do); everything else runs as for decodes."""
     caches = plan.caches()
     if "batch_ok" not in plan.__dict__:
         plan.batch_ok = supported(plan)
     if caches is None or not plan.batch_ok:
         return None
     match_torch_threads()
-    rows = token_ids.shape[0]
+    rows, decodes = token_ids.shape[0], ctx.num_decode_tokens
     quantize = plan.like.dtype == np.int8
     hidden_t = plan.embedding[token_ids]  # a copy: the residual stream
     hidden = hidden_t.numpy()
     normed_t = torch.empty_like(hidden_t)
     normed = normed_t.numpy()
-    attn_t = torch.empty(rows, plan.num_heads * plan.head_dim)
+    heads, dim = plan.num_heads, plan.head_dim
+    attn_t = torch.empty(rows, heads * dim)
     act_t = torch.empty(rows, plan.inter)
-    q = np.empty((rows, plan.num_heads, plan.head_dim), np.float32)
+    q_t = torch.empty(rows, heads, dim)
     in_scales = np.empty(rows if quantize else 0, np.float32)
     mid_scales = np.empty(rows if quantize else 0, np.float32)
     none = np.empty(0, np.float32)
-    empty_rows = np.empty((0, hidden.shape[1]), np.float32)
-    lens = positions + 1
-    tables, lens, num_splits = step_arrays(torch.from_numpy(block_tables),
-                                           torch.from_numpy(lens))
+    if decodes:
+        tables, lens, num_splits = step_arrays(ctx.decode_block_tables,
+                                               torch.from_numpy(positions[:decodes] + 1))
+    else:
+        tables, lens, num_splits = np.empty((0, 1), np.int64), np.empty(0, np.int64), 1
+    prefills = ctx.prefills
     key_caches, value_caches = caches
-    delta, delta_scale, delta_bias = empty_rows, none, none
+    delta, delta_scale, delta_bias = np.empty((0, hidden.shape[1]), np.float32), none, none
     for i, layer in enumerate(plan.layers):
         attn, mlp = layer.self_attn, layer.mlp
         _add_norm(hidden, delta, delta_scale, delta_bias, plan.norms1[i], plan.eps, normed,
@@ -191,7 +207,11 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
         qkv = _gemm(attn.qkv_proj, normed_t)
         _attention(qkv.numpy(), in_scales, plan.qkv_b[i], plan.cos, plan.sin, positions,
                    slots, key_caches[i], value_caches[i], tables, lens, plan.windows[i],
-                   plan.scale, num_splits, q, attn_t.numpy(), mid_scales, quantize)
+                   plan.scale, np.int64(num_splits), q_t.numpy(), attn_t.numpy(),
+                   mid_scales, quantize and not prefills)
+        if prefills:
+            _prefill_attention(attn.attn, prefills, q_t, qkv, attn_t)
+            _scale_rows(attn_t.numpy(), mid_scales, quantize)
         o = _gemm(attn.o_proj, attn_t)
         _add_norm(hidden, o.numpy(), mid_scales, plan.o_b[i], plan.norms2[i], plan.eps,
                   normed, in_scales, quantize)
@@ -204,6 +224,28 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
     _add_norm(hidden, delta, delta_scale, delta_bias, plan.final_norm, plan.eps, out.numpy(),
               none, False)
     return out
+
+
+def _prefill_attention(module: torch.nn.Module, prefills: list, q: torch.Tensor,
+                       qkv: torch.Tensor, out: torch.Tensor) -> None:
+    """Each prefill chunk's attention, as ``layers.attention.Attention`` computes it: over
+    the chunk's own (rotated) keys and values when it starts the sequence, else over its
+    context gathered from the cache (which ``_attention`` has just written)."""
+    heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
+    q_size, kv_size = heads * dim, kv_heads * dim
+    keys_all = qkv[:, q_size:q_size + kv_size].view(-1, kv_heads, dim)
+    values_all = qkv[:, q_size + kv_size:].view(-1, kv_heads, dim)
+    key_flat = module.kv_cache[0].view(-1, kv_heads, dim)
+    value_flat = module.kv_cache[1].view(-1, kv_heads, dim)
+    for p in prefills:
+        rows = slice(p.token_start, p.token_start + p.num_tokens)
+        mask = p.mask(module.sliding_window)
+        if mask is None:
+            keys, values = keys_all[rows], values_all[rows]
+        else:
+            keys = key_flat.index_select(0, p.slots)
+            values = value_flat.index_select(0, p.slots)
+        out[rows] = module._prefill(q[rows], keys, values, mask).reshape(p.num_tokens, -1)
 
 
 def warm_up() -> None:
@@ -226,5 +268,6 @@ def warm_up() -> None:
                    np.zeros((rows, 1), np.int64), zero + 1, np.int64(0), np.float32(1.0),
                    np.int64(1), np.empty((rows, heads, dim), np.float32),
                    np.empty((rows, heads * dim), np.float32), scales, quantize)
+        _scale_rows(np.ones((rows, hidden), np.float32), scales, quantize)
         _silu_mul(np.zeros((rows, 2 * inter), np.float32), scales, none,
                   np.empty((rows, inter), np.float32), scales, quantize)

@@ -114,7 +114,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if use_numba():
-            hidden = self._compiled_decode_step(input_ids, positions)
+            hidden = self._compiled_step(input_ids, positions)
             if hidden is not None:
                 return hidden
         x, residual = self.embed_tokens(input_ids), None
@@ -123,16 +123,13 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def _compiled_decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor
+    def _compiled_step(self, input_ids: torch.Tensor, positions: torch.Tensor
                               ) -> torch.Tensor | None:
-        """A decode-only step through the Llama-shaped stacks the CPU kernels cover: a few
-        sequences as one compiled call through every layer (``kernels.cpu_decoder_step``),
-        more as the layers' GEMMs with numba kernels between them
-        (``kernels.cpu_batch_step``); None leaves the step to the layers."""
+        """A step through the Llama-shaped stacks the CPU kernels cover: a decode step of
+        a few sequences as one compiled call through every layer
+        (``kernels.cpu_decoder_step``), any other step as the layers' GEMMs with numba
+        kernels between them (``kernels.cpu_batch_step``); None leaves it to the layers."""
         ctx = get_forward_context()
-        if (ctx.prefills or ctx.num_decode_tokens != input_ids.shape[0]
-                or ctx.decode_block_tables is None):
-            return None
         plan = self.__dict__.get("_decoder_step_plan", False)
         if plan is False:
             from rvllm.kernels.cpu_decoder_step import build_plan
@@ -140,15 +137,16 @@ class DecoderModel(nn.Module):
             plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
         if plan is None:
             return None
-        args = (plan, input_ids, positions.numpy(), ctx.slot_mapping.numpy(),
-                ctx.decode_block_tables.numpy())
-        if input_ids.shape[0] <= plan.max_rows:
+        positions_np, slots = positions.numpy(), ctx.slot_mapping.numpy()
+        if (not ctx.prefills and ctx.num_decode_tokens == input_ids.shape[0] <= plan.max_rows
+                and ctx.decode_block_tables is not None):
             from rvllm.kernels.cpu_decoder_step import decoder_step
 
-            return decoder_step(*args)
+            return decoder_step(plan, input_ids, positions_np, slots,
+                                ctx.decode_block_tables.numpy())
         from rvllm.kernels.cpu_batch_step import batch_step
 
-        return batch_step(*args)
+        return batch_step(plan, input_ids, positions_np, slots, ctx)
 
 
 class CausalLM(nn.Module):
