@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,12 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device)
+        # Seconds per start-up phase, for the benchmarks' reports.
+        self.startup_phases: dict[str, float] = {}
+        phase = time.perf_counter()
+        # The numba kernels load from numba's cache on a thread of their own meanwhile.
+        self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype)
+        self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
         if not args.skip_tokenizer_init:
@@ -92,11 +99,6 @@ class LLMEngine:
                                               self.scheduler_config, self.device,
                                               tensor_parallel_size=args.tensor_parallel_size)
             self._check_capacity(num_blocks)
-        # Seconds per start-up phase, for the benchmarks' reports.
-        self.startup_phases: dict[str, float] = {}
-        phase = time.perf_counter()
-        self.kernel_backend = _select_kernels(args.kernel_backend, self.device, dtype)
-        self.startup_phases["kernels"] = time.perf_counter() - phase
         self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
         try:
             self.model = load_model(self.model_config, self.device,
@@ -122,6 +124,8 @@ class LLMEngine:
             if self.tp_group is not None:
                 self.tp_group.wait_ready()
                 self.runner.tp_group = self.tp_group
+            if warming is not None:
+                warming.join()
         except BaseException:
             if self.tp_group is not None:
                 self.tp_group.shutdown()  # never leave workers or the process group behind
@@ -462,20 +466,43 @@ def _visible_text(seq: Sequence) -> str:
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
 
 
-def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose the kernel backend and, for Triton, compile and check every kernel against
-    its reference once, so a broken kernel stops start-up instead of corrupting output.
-    The numba kernels are compiled (or loaded from numba's cache) here too."""
-    from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
+class _Warming(threading.Thread):
+    """The numba kernels loading (or compiling) on a thread while the engine loads the
+    tokenizer and the weights; ``join`` re-raises what the loading raised."""
 
-    backend = resolve_kernel_backend(requested, device, dtype)
-    if backend == "numba":
+    def __init__(self) -> None:
+        super().__init__(name="rvllm-numba-warm-up", daemon=True)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
         from rvllm.kernels import warm_up_numba
 
         start = time.perf_counter()
-        warm_up_numba()
+        try:
+            warm_up_numba()
+        except BaseException as error:  # noqa: BLE001 - handed to the joining thread
+            self.error = error
+            return
         logger.info("numba kernels (decode attention, one-row GEMV, decoder steps) ready in "
                     "%.1fs", time.perf_counter() - start)
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype
+                    ) -> tuple[str, _Warming | None]:
+    """Choose the kernel backend and, for Triton, compile and check every kernel against
+    its reference once, so a broken kernel stops start-up instead of corrupting output.
+    The numba kernels start loading from numba's cache (or compiling) on a thread: join
+    it before the first step."""
+    from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
+
+    backend = resolve_kernel_backend(requested, device, dtype)
+    warming = _Warming() if backend == "numba" else None
     if backend == "triton":
         from rvllm.kernels import check_kernels
 
@@ -484,7 +511,7 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype) ->
         logger.info("checked %d Triton kernels against their references in %.1fs",
                     len(checked), time.perf_counter() - start)
     set_kernel_backend(backend)
-    return backend
+    return backend, warming
 
 
 def _preemption_mode(args: EngineArgs) -> str:
