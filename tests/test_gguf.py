@@ -542,3 +542,20 @@ def test_gguf_model_generates_like_the_hf_model(arch: str, tiny_ggufs) -> None:
     outs = LLM(str(path)).generate(prompts, SamplingParams(temperature=0, max_tokens=8,
                                                            ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_numba_dequantize_is_bit_identical_to_the_torch_decoders(qtype: str,
+                                                                  monkeypatch) -> None:
+    """The one-pass numba decoders against the torch ones, on more blocks than one torch
+    chunk and on read-only (memory-mapped) bytes, as a model file gives them."""
+    from rvllm.models import dequant
+
+    ggml_type = GGMLQuantizationType[qtype]
+    values = np.random.default_rng(2).standard_normal((300, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(values, ggml_type).view(np.uint8).reshape(-1)
+    raw.flags.writeable = False
+    fast = dequantize(raw, ggml_type, (300, 256))
+    monkeypatch.setattr(dequant, "USE_NUMBA", False)
+    monkeypatch.setattr(dequant, "_CHUNK_BLOCKS", 1000)  # several chunks
+    assert torch.equal(fast, dequantize(raw, ggml_type, (300, 256)))

@@ -47,8 +47,15 @@ def match_torch_threads() -> None:
 def warm_up_numba() -> None:
     """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, so
     the first decode step does not pay for it."""
-    from rvllm.kernels import cpu_batch_step, cpu_decode_attention, cpu_decoder_step, cpu_gemv
+    from rvllm.kernels import (
+        cpu_batch_step,
+        cpu_decode_attention,
+        cpu_decoder_step,
+        cpu_dequant,
+        cpu_gemv,
+    )
 
+    cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest
     cpu_decode_attention.warm_up()
     cpu_gemv.warm_up()
     cpu_decoder_step.warm_up()

@@ -1,4 +1,5 @@
-"""Dequantization of GGUF tensor data to float32, vectorized with torch.
+"""Dequantization of GGUF tensor data to float32, vectorized with torch (and, for Q8_0,
+Q4_0 and Q4_1, in one numba pass: ``kernels.cpu_dequant``).
 
 Each quantized type stores fixed-size blocks of bytes; a block holds `block_size`
 weights. Every decoder below takes a `[n_blocks, type_size]` uint8 tensor and
@@ -151,6 +152,16 @@ def tensor_nbytes(ggml_type: int, num_elements: int) -> int:
     return num_elements // block_size * type_size
 
 
+# Q8_0, Q4_0 and Q4_1 also decode in one numba pass (kernels.cpu_dequant), bit-identical
+# to the decoders above; set False to keep to torch.
+USE_NUMBA = True
+
+
+def _use_numba(ggml_type: int) -> bool:
+    return USE_NUMBA and ggml_type in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
+                                        GGMLQuantizationType.Q4_1)
+
+
 def dequantize(
     raw: np.ndarray | memoryview | bytes, ggml_type: int, shape: tuple[int, ...]
 ) -> torch.Tensor:
@@ -169,13 +180,18 @@ def dequantize(
             f"got {data.nbytes}"
         )
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    out = torch.empty(data.nbytes // type_size, block_size, dtype=torch.float32)
+    if _use_numba(ggml_type):  # reads the (memory-mapped, read-only) bytes in place
+        from rvllm.kernels.cpu_dequant import dequantize_into
+
+        dequantize_into(ggml_type_name(ggml_type), data.reshape(-1, type_size), out.numpy())
+        return out.reshape(shape)
     if not data.flags.writeable:
         # torch wants writable memory; the decoders never write, so a read-only
         # view (e.g. of a memory map) would be safe, but copy to stay warning-free.
         data = data.copy()
     blocks = torch.from_numpy(data).reshape(-1, type_size)
     decode = _DECODERS[ggml_type]
-    out = torch.empty(blocks.shape[0], block_size, dtype=torch.float32)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         stop = start + _CHUNK_BLOCKS
         out[start:stop] = decode(blocks[start:stop]).reshape(-1, block_size)
