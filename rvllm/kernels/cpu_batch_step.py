@@ -1,21 +1,24 @@
-"""A decode step of many sequences through a Llama-shaped stack: the layers' own GEMMs
-(fbgemm's int8, oneDNN's float32) with everything between them in three numba calls
-a layer.
+"""Every step ``cpu_decoder_step`` does not take (a decode step of many sequences, or
+any step with prefill chunks) through a Llama-shaped stack: the layers' own GEMMs
+(fbgemm's int8, oneDNN's float32) with everything between them in three numba calls a
+layer.
 
-Past ``cpu_decoder_step``'s few rows a decode step is arithmetic-bound in its linear
-layers, where the packed GEMMs win; but through the layers each of the ~45 torch
-operations a layer around them (norms, the int8 path's per-row scaling, RoPE, the cache
-write, SiLU*mul, the residual adds) costs a few microseconds to dispatch and another
-pass over its tensor, and at 32 sequences they took as long as attention. Here, per
-layer:
+Past ``cpu_decoder_step``'s few rows a step is arithmetic-bound in its linear layers,
+where the packed GEMMs win; but through the layers each of the ~45 torch operations a
+layer around them (norms, the int8 path's per-row scaling, RoPE, the cache write,
+SiLU*mul, the residual adds) costs a few microseconds to dispatch and another pass over
+its tensor: at 32 decoding sequences they took as long as attention, and in a
+2048-token prefill a fifth of the step. Here, per layer:
 
 1. ``_add_norm``: the residual add of the last projection's output (times its
    rows' scales, plus its bias), RMSNorm, and, for int8 weights, each row divided by
    its largest magnitude (fbgemm quantizes its whole input with one scale; this makes
    it per token, as the layers' int8 path does);
 2. the QKV GEMM;
-3. ``_attention``: scales and bias, RoPE, the cache write, paged decode attention
-   (``cpu_decode_attention``), and the rows' scaling for the output projection;
+3. ``_attention``: scales and bias, RoPE, the cache write, paged decode attention for
+   the decode rows (``cpu_decode_attention``); prefill chunks then attend through their
+   layer's torch attention (SDPA), as the layers do; then the rows' scaling for the
+   output projection;
 4. the output projection's GEMM, then ``_add_norm`` again;
 5. the gate/up GEMM, then ``_silu_mul``: scales, bias, SiLU(gate) * up, scaling;
 6. the down projection's GEMM, whose output the next layer's ``_add_norm`` takes.

@@ -14,8 +14,9 @@ on numba's threads (as many as torch's); the rest, a few thousand floats a row a
 layer, runs on the calling thread.
 
 Up to ``MAX_ROWS`` sequences with float32 weights, ``MAX_ROWS_INT8`` with int8: measured
-on the random Llama (2 cores), past those the layers' GEMMs win (fbgemm's int8 GEMMs
-quantize the activations too; here every int8 weight is widened to float32).
+on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GEMMs
+quantize the activations too; here every int8 weight is widened to float32), and
+``cpu_batch_step`` runs the step with them.
 
 It serves models built exactly from ``PreNormDecoderLayer(LlamaAttention, LlamaMLP)``
 with plain RMSNorms (Llama, Mistral, Qwen2), float32 activations, linear layers that
