@@ -173,13 +173,15 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
                slots: np.ndarray, ctx: AttentionMetadata) -> torch.Tensor | None:
     """Final hidden states [T, H] of a step's T new tokens (token ids, their positions and
     cache slots, int64; ``ctx``: the step's attention metadata, decodes first), or None
-    when the KV caches are not one stacked allocation or the linear layers are not all
-    packed for oneDNN or fbgemm int8. Prefill chunks attend through their layer's torch
-    attention (SDPA, as the layers do); everything else runs as for decodes."""
+    when the KV caches are not one stacked allocation, the linear layers are not all
+    packed for oneDNN or fbgemm int8, or the decodes come without block tables. Prefill
+    chunks attend through their layer's torch attention (SDPA, as the layers do);
+    everything else runs as for decodes."""
     caches = plan.caches()
     if "batch_ok" not in plan.__dict__:
         plan.batch_ok = supported(plan)
-    if caches is None or not plan.batch_ok:
+    if (caches is None or not plan.batch_ok
+            or (ctx.num_decode_tokens and ctx.decode_block_tables is None)):
         return None
     match_torch_threads()
     rows, decodes = token_ids.shape[0], ctx.num_decode_tokens

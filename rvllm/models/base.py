@@ -124,7 +124,7 @@ class DecoderModel(nn.Module):
         return x
 
     def _compiled_step(self, input_ids: torch.Tensor, positions: torch.Tensor
-                              ) -> torch.Tensor | None:
+                       ) -> torch.Tensor | None:
         """A step through the Llama-shaped stacks the CPU kernels cover: a decode step of
         a few sequences as one compiled call through every layer
         (``kernels.cpu_decoder_step``), any other step as the layers' GEMMs with numba
