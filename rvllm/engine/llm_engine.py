@@ -125,7 +125,9 @@ class LLMEngine:
                 self.tp_group.wait_ready()
                 self.runner.tp_group = self.tp_group
             if warming is not None:
-                warming.join()
+                phase = time.perf_counter()
+                warming.join()  # what start-up waited for the kernels past the loading
+                self.startup_phases["kernels"] += time.perf_counter() - phase
         except BaseException:
             if self.tp_group is not None:
                 self.tp_group.shutdown()  # never leave workers or the process group behind
