@@ -38,6 +38,7 @@ from numba import prange
 from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
+from rvllm.kernels.cpu_decoder_step import _rms_norm, _rope
 from rvllm.kernels.cpu_math import exp32
 
 _TINY = np.float32(1e-10)
@@ -71,12 +72,7 @@ def _add_norm(hidden, delta, delta_scale, delta_bias, weight, eps, normed, scale
             if has_bias:
                 for i in range(size):
                     hidden[b, i] += delta_bias[i]
-        total = np.float32(0.0)
-        for i in range(size):
-            total += hidden[b, i] * hidden[b, i]
-        inv = np.float32(1.0) / np.sqrt(total / size + eps)
-        for i in range(size):
-            normed[b, i] = hidden[b, i] * inv * weight[i]
+        _rms_norm(hidden[b:b + 1], weight, eps, normed[b:b + 1])
         _scale_row(normed, b, scales, quantize)
 
 
@@ -94,7 +90,6 @@ def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots,
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    half = head_dim // 2
     has_scale, has_bias = qkv_scale.shape[0] > 0, qkv_bias.shape[0] > 0
     for b in prange(rows):
         s = qkv_scale[b] if has_scale else np.float32(1.0)
@@ -104,13 +99,9 @@ def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots,
         if has_bias:
             for i in range(row.shape[0]):
                 row[i] += qkv_bias[i]
-        cos, sin = cos_table[positions[b]], sin_table[positions[b]]
-        for h in range(num_heads + num_kv_heads):  # q heads, then k heads
-            base = h * head_dim
-            for i in range(half):
-                x1, x2 = row[base + i], row[base + i + half]
-                row[base + i] = x1 * cos[i] - x2 * sin[i]
-                row[base + i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+        # The q heads, then the k heads.
+        _rope(row[:q_size + kv_size].reshape((num_heads + num_kv_heads, head_dim)),
+              cos_table[positions[b]], sin_table[positions[b]])
         for h in range(num_heads):
             for d in range(head_dim):
                 q[b, h, d] = row[h * head_dim + d]
@@ -198,8 +189,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
     mid_scales = np.empty(rows if quantize else 0, np.float32)
     none = np.empty(0, np.float32)
     if decodes:
-        tables, lens, num_splits = step_arrays(ctx.decode_block_tables,
-                                               torch.from_numpy(positions[:decodes] + 1))
+        tables, lens, num_splits = step_arrays(ctx.decode_block_tables, ctx.decode_seq_lens)
     else:
         tables, lens, num_splits = np.empty((0, 1), np.int64), np.empty(0, np.int64), 1
     prefills = ctx.prefills
