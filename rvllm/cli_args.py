@@ -24,6 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV-cache blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory", type=float, default=2.0,
                    help="GiB of KV cache on the CPU")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+                   help="what the KV cache stores keys and values as: auto = the compute "
+                        "dtype; bfloat16 (CPU, float32 models) halves the cache's memory and "
+                        "decode attention's reads, attention still computing in float32")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory rvllm may use")
     g.add_argument("--gpu-memory-reserve-gb", type=float, default=0.0,
@@ -84,6 +88,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         block_size=ns.block_size,
         num_gpu_blocks=ns.num_gpu_blocks,
         kv_cache_memory=ns.kv_cache_memory,
+        kv_cache_dtype=ns.kv_cache_dtype,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         gpu_memory_reserve_gb=ns.gpu_memory_reserve_gb,
         enable_prefix_caching=ns.enable_prefix_caching,

@@ -42,6 +42,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, _DTYPES[dtype])
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` stores keys and values in the compute dtype;
+    ``bfloat16`` stores them rounded to bfloat16 while attention still computes in the
+    compute dtype: half a float32 cache's bytes, so twice the tokens in
+    ``--kv-cache-memory`` and half the memory traffic of decode attention. A GPU takes
+    only its compute dtype (its kernels read the cache as such)."""
+    import torch
+
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {name!r}.")
+    if name == "auto":
+        return dtype
+    kv_dtype = getattr(torch, name)
+    if device.type != "cpu" and kv_dtype != dtype:
+        raise ValueError(f"kv_cache_dtype={name} with a {str(dtype).removeprefix('torch.')} "
+                         f"model runs on the CPU only; on a GPU use --dtype {name} instead.")
+    return kv_dtype
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """The model's shape, read from a Hugging Face ``config.json`` (or a GGUF header)."""
@@ -173,6 +196,7 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
+    cache_dtype: torch.dtype | None = None  # keys and values stored as (None: the model's)
     gpu_memory_utilization: float = 0.9
     gpu_memory_reserve_gb: float = 0.0
     enable_prefix_caching: bool = True
@@ -223,6 +247,7 @@ class EngineArgs:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: float = 2.0
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | bfloat16
     gpu_memory_utilization: float = 0.9
     gpu_memory_reserve_gb: float = 0.0
     enable_prefix_caching: bool = True

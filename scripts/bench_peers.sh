@@ -13,7 +13,8 @@
 # direct benchmark), SERVE_PEERS (engines of the serving race), WORKLOADS (default
 # "smollm2 random-llama"), BENCH_N, INPUT_LEN, OUTPUT_LEN, SERVE_PROMPTS, SERVE_CONCURRENCY,
 # SERVE_RATE, SERVE_INPUT_LEN, SERVE_OUTPUT_LEN, SERVE_RANGE_RATIO, SERVE_OUTPUT_RANGE_RATIO,
-# THREADS. Engines: rvllm, rvllm-fp16 and rvllm-int8 (--quantization), transformers,
+# THREADS. Engines: rvllm, rvllm-fp16 and rvllm-int8 (--quantization), rvllm-bf16kv and
+# rvllm-int8-bf16kv (--kv-cache-dtype bfloat16, without and with int8), transformers,
 # llama-cpp (the workload's GGUF: SmolLM2's Q4_1, the random Llama's f32), llama-cpp-f16 and
 # llama-cpp-q8 (random Llama only), vllm.
 # Peers are benchmark extras: nothing here is a CI dependency.
@@ -150,6 +151,8 @@ rvllm_flags() {  # engine: the flags of an rvllm variant
   case $1 in
     rvllm-fp16) echo "--quantization fp16" ;;
     rvllm-int8) echo "--quantization int8" ;;
+    rvllm-bf16kv) echo "--kv-cache-dtype bfloat16" ;;
+    rvllm-int8-bf16kv) echo "--quantization int8 --kv-cache-dtype bfloat16" ;;
     *) echo "" ;;
   esac
 }

@@ -239,3 +239,16 @@ def test_scaled_rope_frequencies_match_transformers(
     inv_freq, scale = inv_freq_and_scale(dim, params, max_position, cfg["max_position_embeddings"])
     torch.testing.assert_close(inv_freq, expected_freq)
     assert scale == pytest.approx(expected_scale)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_kv_cache_agrees_across_kernel_backends(family_dir: Callable[[str], Path],
+                                                         family: str) -> None:
+    """--kv-cache-dtype bfloat16 in every family (soft caps, sliding windows, MLA's
+    latents, KV sharing): the numba decode attention and plain torch read the same
+    rounded cache alike, and the rounding leaves most greedy continuations as float32's."""
+    path = family_dir(family)
+    runs = [greedy(engine(family, path, kv_cache_dtype="bfloat16", kernel_backend=backend))
+            for backend in ("numba", "torch")]
+    assert runs[0] == runs[1]
+    assert sum(a == b for a, b in zip(runs[0], reference(path))) >= len(runs[0]) - 2

@@ -18,6 +18,7 @@ from rvllm.config import (
     SchedulerConfig,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -68,11 +69,13 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, self.device)
         # Seconds per start-up phase, for the benchmarks' reports.
         self.startup_phases: dict[str, float] = {}
         phase = time.perf_counter()
         # The numba kernels load from numba's cache on a thread of their own meanwhile.
-        self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype)
+        self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype,
+                                                       kv_dtype)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -84,6 +87,7 @@ class LLMEngine:
             block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks,
             kv_cache_memory_gb=args.kv_cache_memory,
+            cache_dtype=kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             gpu_memory_reserve_gb=args.gpu_memory_reserve_gb,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -116,7 +120,7 @@ class LLMEngine:
             # With graphs, one block past the managed ones takes the padding rows' writes.
             self.runner.allocate_kv_cache(num_blocks + int(use_graphs),
                                           self.model_config.num_kv_heads,
-                                          self.model_config.head_dim, dtype)
+                                          self.model_config.head_dim, kv_dtype)
             if use_graphs:
                 phase = time.perf_counter()
                 self._capture_decode_graphs(num_blocks)
@@ -150,9 +154,9 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.2fs: %s, %s, kernels: %s, linear layers: %s, %d KV "
-                    "blocks of %d tokens", self.startup_seconds, self.model_config.architecture,
-                    dtype, self.kernel_backend, self.model.linear_backend, num_blocks,
-                    args.block_size)
+                    "blocks of %d tokens in %s", self.startup_seconds,
+                    self.model_config.architecture, dtype, self.kernel_backend,
+                    self.model.linear_backend, num_blocks, args.block_size, kv_dtype)
 
     @property
     def max_model_len(self) -> int:
@@ -472,9 +476,10 @@ class _Warming(threading.Thread):
     """The numba kernels loading (or compiling) on a thread while the engine loads the
     tokenizer and the weights; ``join`` re-raises what the loading raised."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_dtype: torch.dtype) -> None:
         super().__init__(name="rvllm-numba-warm-up", daemon=True)
         self.error: BaseException | None = None
+        self.kv_dtype = kv_dtype
         self.start()
 
     def run(self) -> None:
@@ -482,7 +487,7 @@ class _Warming(threading.Thread):
 
         start = time.perf_counter()
         try:
-            warm_up_numba()
+            warm_up_numba(self.kv_dtype)
         except BaseException as error:  # noqa: BLE001 - handed to the joining thread
             self.error = error
             return
@@ -495,8 +500,8 @@ class _Warming(threading.Thread):
             raise self.error
 
 
-def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype
-                    ) -> tuple[str, _Warming | None]:
+def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
+                    kv_dtype: torch.dtype) -> tuple[str, _Warming | None]:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
     The numba kernels start loading from numba's cache (or compiling) on a thread: join
@@ -504,7 +509,7 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
 
     backend = resolve_kernel_backend(requested, device, dtype)
-    warming = _Warming() if backend == "numba" else None
+    warming = _Warming(kv_dtype) if backend == "numba" else None
     if backend == "triton":
         from rvllm.kernels import check_kernels
 

@@ -10,9 +10,11 @@ import torch
 from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
-def bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    """Keys and values (or MLA latents) of every layer for one block of tokens."""
-    elem = torch.empty((), dtype=model.dtype).element_size()
+def bytes_per_block(model: ModelConfig, block_size: int,
+                    cache_dtype: torch.dtype | None = None) -> int:
+    """Keys and values (or MLA latents) of every layer for one block of tokens, stored as
+    ``cache_dtype`` (default: the model's dtype)."""
+    elem = torch.empty((), dtype=cache_dtype or model.dtype).element_size()
     return model.num_layers * block_size * model.kv_elements_per_token * elem
 
 
@@ -61,7 +63,7 @@ def determine_num_blocks(model: ModelConfig, cache: CacheConfig, sched: Schedule
     the CPU, ``--kv-cache-memory``."""
     if cache.num_gpu_blocks is not None:
         return cache.num_gpu_blocks
-    per_block = bytes_per_block(model, cache.block_size)
+    per_block = bytes_per_block(model, cache.block_size, cache.cache_dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if used_bytes is None:

@@ -144,7 +144,12 @@ def _broadcast(t: torch.Tensor) -> None:
 def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
                 num_blocks: int) -> None:
     """Entry point of ranks 1..N-1 (a spawned process)."""
-    from rvllm.config import ModelConfig, resolve_device, resolve_dtype
+    from rvllm.config import (
+        ModelConfig,
+        resolve_device,
+        resolve_dtype,
+        resolve_kv_cache_dtype,
+    )
     from rvllm.executor.model_runner import ModelRunner
     from rvllm.forward_context import (
         add_block_tables,
@@ -161,18 +166,19 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     torch.set_num_threads(threads_per_rank(world_size))
     init_distributed(rank, world_size, init_method, device)
     dtype = resolve_dtype(engine_args.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device)
     backend = resolve_kernel_backend(engine_args.kernel_backend, device, dtype)
     if backend == "numba":
         from rvllm.kernels import warm_up_numba
 
-        warm_up_numba()
+        warm_up_numba(kv_dtype)
     set_kernel_backend(backend)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
     model = load_model(config, device, load_format=engine_args.load_format,
                        cpu_linear_backend=engine_args.cpu_linear_backend,
                        quantization=engine_args.quantization)
     runner = ModelRunner(model, engine_args.block_size, device)
-    runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, dtype)
+    runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, kv_dtype)
     if engine_args.num_cpu_blocks and engine_args.preemption_mode != "recompute":
         runner.allocate_swap_space(engine_args.num_cpu_blocks)
     dist.barrier()

@@ -44,9 +44,9 @@ def match_torch_threads() -> None:
         numba.set_num_threads(want)
 
 
-def warm_up_numba() -> None:
-    """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, so
-    the first decode step does not pay for it."""
+def warm_up_numba(kv_dtype: torch.dtype = torch.float32) -> None:
+    """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, for a
+    KV cache of ``kv_dtype``, so the first decode step does not pay for it."""
     from rvllm.kernels import (
         cpu_batch_step,
         cpu_decode_attention,
@@ -56,10 +56,10 @@ def warm_up_numba() -> None:
     )
 
     cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest
-    cpu_decode_attention.warm_up()
+    cpu_decode_attention.warm_up(kv_dtype)
     cpu_gemv.warm_up()
-    cpu_decoder_step.warm_up()
-    cpu_batch_step.warm_up()
+    cpu_decoder_step.warm_up(kv_dtype)
+    cpu_batch_step.warm_up(kv_dtype)
 
 
 # (device, dtype, kernel) already checked in this process: once is enough.

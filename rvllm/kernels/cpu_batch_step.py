@@ -39,7 +39,7 @@ from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_decoder_step import _rms_norm, _rope
-from rvllm.kernels.cpu_math import exp32
+from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 
 _TINY = np.float32(1e-10)
 
@@ -109,8 +109,10 @@ def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots,
             block, offset = slots[b] // block_size, slots[b] % block_size
             for h in range(num_kv_heads):
                 for d in range(head_dim):
-                    key_cache[block, offset, h, d] = row[q_size + h * head_dim + d]
-                    value_cache[block, offset, h, d] = row[q_size + kv_size + h * head_dim + d]
+                    key_cache[block, offset, h, d] = narrow_kv(
+                        row[q_size + h * head_dim + d], key_cache)
+                    value_cache[block, offset, h, d] = narrow_kv(
+                        row[q_size + kv_size + h * head_dim + d], value_cache)
     decodes = tables.shape[0]
     if decodes > 0:
         _paged_decode(q[:decodes], key_cache, value_cache, tables, lens, scale, window,
@@ -238,14 +240,15 @@ def _prefill_attention(module: torch.nn.Module, prefills: list, q: torch.Tensor,
         if mask is None:
             keys, values = keys_all[rows], values_all[rows]
         else:
-            keys = key_flat.index_select(0, p.slots)
-            values = value_flat.index_select(0, p.slots)
+            keys = key_flat.index_select(0, p.slots).to(q.dtype)
+            values = value_flat.index_select(0, p.slots).to(q.dtype)
         out[rows] = module._prefill(q[rows], keys, values, mask).reshape(p.num_tokens, -1)
 
 
-def warm_up() -> None:
+def warm_up(kv_dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's cache) the three kernels in both forms (float32 and
-    int8 scaling), so a model's first wide decode step does not pay for it."""
+    int8 scaling), with a cache of ``kv_dtype``, so a model's first wide decode step does
+    not pay for it."""
     rows, heads, kv_heads, dim = 1, 2, 1, 4
     hidden, inter = heads * dim, 4
     ones = np.ones(hidden, np.float32)
@@ -256,7 +259,7 @@ def warm_up() -> None:
         _add_norm(x, np.empty((0, hidden), np.float32), none, none, ones, np.float32(1e-6),
                   np.empty_like(x), scales, quantize)
         qkv = np.zeros((rows, (heads + 2 * kv_heads) * dim), np.float32)
-        cache = np.zeros((1, 4, kv_heads, dim), np.float32)
+        cache = kv_array(torch.zeros((1, 4, kv_heads, dim), dtype=kv_dtype))
         rope = np.ones((4, dim), np.float32)
         zero = np.zeros(rows, np.int64)
         _attention(qkv, scales, none, rope, rope, zero, zero, cache, cache,

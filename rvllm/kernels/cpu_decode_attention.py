@@ -12,8 +12,10 @@ One work item is one sequence, or a run of its blocks when there are fewer seque
 than threads to keep busy (split-KV, merged after). It walks its blocks in order, each
 a contiguous run of memory, twice: the scores of all query heads, then (after a softmax
 over each head's scores) the weighted values. Items run in parallel on numba's threads
-(as many as torch's). Float32 only, the CPU's compute dtype; the torch path is the
-reference it is tested against, and what runs in other dtypes.
+(as many as torch's). It computes in float32, the CPU's compute dtype, over a float32
+or bfloat16 cache (``--kv-cache-dtype bfloat16``: half the bytes to read, each row
+widened once for the query heads that share it); the torch path is the reference it is
+tested against, and what runs in other dtypes.
 
 numba compiles the kernel on its first call (a few seconds) and caches the machine
 code next to this file, or under ``NUMBA_CACHE_DIR``, so later processes load it in
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from rvllm.kernels import match_torch_threads
-from rvllm.kernels.cpu_math import exp32
+from rvllm.kernels.cpu_math import exp32, kv_array, widen_kv_row
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -56,6 +58,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         for d in range(head_dim):
             queries[h, d] = q[seq, h, d] * scale
     scores = np.empty((num_heads, count), np.float32)
+    row = np.empty(head_dim, np.float32)  # a bfloat16 cache's row, widened
     for b in range(lo, hi):
         # A block's keys (and values) are one contiguous run of memory: read it in order.
         keys = key_cache[block_tables[seq, b]]
@@ -63,7 +66,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         base = b * block_size - t_lo
         for t in range(t0, t1):
             for kv in range(num_kv_heads):
-                key = keys[t, kv]
+                key = widen_kv_row(keys[t, kv], row)
                 for h in range(kv * group, (kv + 1) * group):
                     s = np.float32(0.0)
                     for d in range(head_dim):
@@ -89,7 +92,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         base = b * block_size - t_lo
         for t in range(t0, t1):
             for kv in range(num_kv_heads):
-                value = values[t, kv]
+                value = widen_kv_row(values[t, kv], row)
                 for h in range(kv * group, (kv + 1) * group):
                     p = scores[h, base + t]
                     for d in range(head_dim):
@@ -148,23 +151,24 @@ def paged_decode_attention_cpu(q: torch.Tensor, key_cache: torch.Tensor,
                                soft_cap: float | None, arrays: tuple | None = None
                                ) -> torch.Tensor:
     """q: [B, Hq, D] float32, one new token per sequence; caches: [num_blocks, block_size,
-    Hk, D]; block_tables: [B, max_blocks]; seq_lens: [B] context lengths including the
-    new token. Returns [B, Hq, D]. A sliding window keeps the last ``sliding_window``
-    positions; ``soft_cap`` squashes scores as cap * tanh(score / cap) (Gemma 2).
+    Hk, D], float32 or bfloat16; block_tables: [B, max_blocks]; seq_lens: [B] context
+    lengths including the new token. Returns [B, Hq, D]. A sliding window keeps the last
+    ``sliding_window`` positions; ``soft_cap`` squashes scores as cap * tanh(score / cap)
+    (Gemma 2).
     ``arrays``: ``step_arrays(block_tables, seq_lens)``, made once per step."""
     tables, lens, num_splits = arrays or step_arrays(block_tables, seq_lens)
     out = torch.empty(q.shape, dtype=torch.float32)
     # One compiled signature: contiguous arrays, int64 indices, float32 scalars.
-    _paged_decode(q.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables, lens,
-                  np.float32(scale), np.int64(sliding_window or 0), np.float32(soft_cap or 0.0),
-                  num_splits, out.numpy())
+    _paged_decode(q.contiguous().numpy(), kv_array(key_cache), kv_array(value_cache), tables,
+                  lens, np.float32(scale), np.int64(sliding_window or 0),
+                  np.float32(soft_cap or 0.0), num_splits, out.numpy())
     return out
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel on a tiny input, so the first
-    decode step does not pay for it."""
-    cache = torch.zeros(1, 1, 1, 1)
+def warm_up(kv_dtype: torch.dtype = torch.float32) -> None:
+    """Compile (or load from numba's cache) the kernel on a tiny input over a cache of
+    ``kv_dtype``, so the first decode step does not pay for it."""
+    cache = torch.zeros(1, 1, 1, 1, dtype=kv_dtype)
     paged_decode_attention_cpu(torch.zeros(1, 1, 1), cache, cache,
                                torch.zeros(1, 1, dtype=torch.int64),
                                torch.ones(1, dtype=torch.int64), 1.0, None, None)

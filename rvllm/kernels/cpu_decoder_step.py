@@ -38,7 +38,7 @@ from torch import nn
 
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_gemv import _CHUNK, _dot, _matvec, _widen
-from rvllm.kernels.cpu_math import exp32
+from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv, widen_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
 
@@ -108,7 +108,7 @@ def _attend(q, key_cache, value_cache, tables, positions, window, scores, out):
             block, slot = table[t // block_size], t % block_size
             s = np.float32(0.0)
             for d in range(head_dim):
-                s += q[b, h, d] * key_cache[block, slot, kv, d]
+                s += q[b, h, d] * widen_kv(key_cache[block, slot, kv, d])
             scores[item, t] = s
             top = max(top, s)
         for d in range(head_dim):
@@ -122,7 +122,7 @@ def _attend(q, key_cache, value_cache, tables, positions, window, scores, out):
             p = scores[item, t]
             block, slot = table[t // block_size], t % block_size
             for d in range(head_dim):
-                out[b, h, d] += p * value_cache[block, slot, kv, d]
+                out[b, h, d] += p * widen_kv(value_cache[block, slot, kv, d])
         for d in range(head_dim):
             out[b, h, d] /= total
 
@@ -161,8 +161,9 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     layer's row-major weight of that projection, by address (int64 [L]; element type
     ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
     [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
-    D]; tables [B, W] each row's cache blocks; slots [B] where its K/V go (-1: nowhere).
-    Writes the final norm of the last residual to ``out`` [B, H]."""
+    D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
+    blocks; slots [B] where its K/V go (-1: nowhere). Writes the final norm of the last
+    residual to ``out`` [B, H]."""
     rows, size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv_rows = q_size + 2 * kv_size
@@ -193,8 +194,11 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                     q[b, h, d] = qb[h, d] * scale
             if slots[b] >= 0:
                 block, offset = slots[b] // block_size, slots[b] % block_size
-                key_cache[layer, block, offset] = k
-                value_cache[layer, block, offset] = v
+                for h in range(num_kv_heads):
+                    for d in range(head_dim):
+                        key_cache[layer, block, offset, h, d] = narrow_kv(k[h, d], key_cache)
+                        value_cache[layer, block, offset, h, d] = narrow_kv(v[h, d],
+                                                                            value_cache)
         _attend(q, key_cache[layer], value_cache[layer], tables, positions, windows[layer],
                 scores, attn)
         _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
@@ -268,7 +272,7 @@ class DecoderStepPlan:
             if any(layer.self_attn.attn.kv_cache[which].data_ptr() != base[i].data_ptr()
                    for i, layer in enumerate(self.layers)):
                 return None
-            stacked.append(base.numpy())
+            stacked.append(kv_array(base))
         return stacked[0], stacked[1]
 
 
@@ -366,9 +370,10 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     return out
 
 
-def warm_up() -> None:
+def warm_up(kv_dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's cache) the step for float32 and int8 weights on a
-    one-layer toy stack, so a model's first decode step does not pay for it."""
+    one-layer toy stack with a cache of ``kv_dtype``, so a model's first decode step does
+    not pay for it."""
     heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 8
     kept = []  # the toy weights stay alive while the step reads them by address
     for dtype in (np.float32, np.int8):
@@ -380,7 +385,7 @@ def warm_up() -> None:
                     np.empty((1, 0), np.float32))
 
         ones = np.ones((1, hidden), np.float32)
-        cache = np.zeros((1, 1, 4, kv_heads, dim), np.float32)
+        cache = kv_array(torch.zeros((1, 1, 4, kv_heads, dim), dtype=kv_dtype))
         rope = np.ones((4, dim), np.float32)
         zeros = np.zeros(1, np.int64)
         _decoder_step(np.zeros((1, hidden), np.float32), ones,

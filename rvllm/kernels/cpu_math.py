@@ -8,15 +8,22 @@ in the exponent bits), which a loop over a row of scores turns into AVX2 code.
 Relative error under 3e-7 (a few float32 ulps) on [-87, 88]; arguments are clamped to
 [-87.3, 88.3] first, so far below it gives e^-87.3 (about 1e-38) rather than 0, which
 a softmax or a SiLU cannot tell apart, and it never overflows.
+
+``widen_kv``, ``widen_kv_row`` and ``narrow_kv`` read and write KV-cache elements
+whatever the cache's storage (``--kv-cache-dtype``): float32 as is, bfloat16 as its
+uint16 bit pattern (torch tensors of bfloat16 reach numba through ``kv_array``). Widening
+a bfloat16 is a 16-bit shift, which vectorises; narrowing rounds to nearest even,
+bit-identical to torch's ``.to(torch.bfloat16)`` (NaNs aside, which stay NaNs).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 _LOG2E = np.float32(1.4426950408889634)
 # ln 2 split in two so that n * _LN2_HI is exact for the |n| <= 128 used here.
@@ -37,6 +44,14 @@ def _float_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def _bits_from_float(typingctx, value):
+    """The int32 bit pattern of the float32 ``value``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
 @numba.njit(fastmath=True, cache=True, inline="always")
 def exp32(x):
     """e^x for a float32 x, vectorisable (see the module note for range and error)."""
@@ -51,3 +66,65 @@ def exp32(x):
     p = p * r + _C0
     e = p * (r * r) + r + np.float32(1.0)
     return e * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+def kv_array(cache: torch.Tensor) -> np.ndarray:
+    """A KV-cache tensor as the numpy array the kernels take: float32 as is, bfloat16 as
+    its uint16 bit patterns."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.uint16).numpy()
+    return cache.numpy()
+
+
+def widen_kv(x):  # noqa: ANN001, ANN201 - numba-only; see the overload below
+    """A cache element (float32, or a bfloat16 as uint16 bits) as a float32."""
+    raise NotImplementedError("numba-compiled code only")
+
+
+@overload(widen_kv, inline="always")
+def _widen_kv(x):  # noqa: ANN001, ANN202
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: _float_from_bits(np.int32(x) << np.int32(16))
+    return None
+
+
+def widen_kv_row(row, buffer):  # noqa: ANN001, ANN201 - numba-only
+    """A row of cache elements as float32: the row itself when it is float32, else
+    ``buffer`` (float32, as long) filled with its widened elements."""
+    raise NotImplementedError("numba-compiled code only")
+
+
+@overload(widen_kv_row, inline="always")
+def _widen_kv_row(row, buffer):  # noqa: ANN001, ANN202
+    if row.dtype == types.float32:
+        return lambda row, buffer: row
+
+    def widen(row, buffer):  # noqa: ANN001, ANN202
+        for i in range(row.shape[0]):
+            buffer[i] = widen_kv(row[i])
+        return buffer
+    return widen
+
+
+def narrow_kv(x, cache):  # noqa: ANN001, ANN201 - numba-only
+    """The float32 ``x`` as an element of ``cache``'s storage type."""
+    raise NotImplementedError("numba-compiled code only")
+
+
+@overload(narrow_kv, inline="always")
+def _narrow_kv(x, cache):  # noqa: ANN001, ANN202
+    if cache.dtype == types.float32:
+        return lambda x, cache: x
+    if cache.dtype != types.uint16:
+        return None
+
+    def to_bfloat16(x, cache):  # noqa: ANN001, ANN202
+        bits = np.uint32(_bits_from_float(np.float32(x)))
+        if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return np.uint16(0x7FC0)  # a NaN stays a (quiet) NaN
+        # Round to nearest, ties to the even 16-bit pattern.
+        bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        return np.uint16(bits >> np.uint32(16))
+    return to_bfloat16

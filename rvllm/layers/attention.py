@@ -3,7 +3,9 @@
 Each layer owns a (key_cache, value_cache) pair of shape
 [num_blocks, block_size, num_kv_heads, head_dim]. New keys and values are
 written through ``slot_mapping``; queries then read their whole context back
-through the per-step gather indices in the forward context. GPU kernels can
+through the per-step gather indices in the forward context. The cache may be stored in
+another dtype than the compute dtype (``--kv-cache-dtype bfloat16`` on the CPU): writes
+round into it, reads widen back, and attention computes in the compute dtype. GPU kernels can
 replace ``forward`` behind the same interface.
 
 ``logits_soft_cap`` (Gemma 2) squashes scores as cap * tanh(score / cap) before the
@@ -58,8 +60,10 @@ class Attention(nn.Module):
         key_flat = self.kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         value_flat = self.kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         if k is not None and v is not None:
-            key_flat.index_copy_(0, ctx.slot_mapping, k)
-            value_flat.index_copy_(0, ctx.slot_mapping, v)
+            # A cache of another dtype than the compute dtype (--kv-cache-dtype) stores
+            # the rounded values; reads widen them back (a no-op when the dtypes agree).
+            key_flat.index_copy_(0, ctx.slot_mapping, k.to(key_flat.dtype))
+            value_flat.index_copy_(0, ctx.slot_mapping, v.to(value_flat.dtype))
 
         nd = ctx.num_decode_tokens
         if nd and not ctx.prefills:
@@ -73,8 +77,8 @@ class Attention(nn.Module):
             if mask is None and k is not None and v is not None:
                 keys, values = k[rows], v[rows]
             else:
-                keys = key_flat.index_select(0, p.slots)
-                values = value_flat.index_select(0, p.slots)
+                keys = key_flat.index_select(0, p.slots).to(q.dtype)
+                values = value_flat.index_select(0, p.slots).to(q.dtype)
             out[rows] = self._prefill(q[rows], keys, values, mask)
         return out.view(q.shape[0], -1)
 
@@ -131,9 +135,10 @@ class Attention(nn.Module):
         assert slots is not None
         b, n = slots.shape
         flat = slots.view(-1)
-        keys = key_flat.index_select(0, flat).view(b, n, *key_flat.shape[1:]).transpose(1, 2)
-        values = value_flat.index_select(0, flat).view(b, n, *value_flat.shape[1:])
-        values = values.transpose(1, 2)  # [B, Hk, L, D]
+        keys = key_flat.index_select(0, flat).to(q.dtype)
+        keys = keys.view(b, n, *key_flat.shape[1:]).transpose(1, 2)
+        values = value_flat.index_select(0, flat).to(q.dtype)
+        values = values.view(b, n, *value_flat.shape[1:]).transpose(1, 2)  # [B, Hk, L, D]
         mask = ctx.decode_mask(self.sliding_window, q.dtype)
         return self._attend(q.unsqueeze(2), keys, values, mask).squeeze(2)
 
@@ -141,8 +146,8 @@ class Attention(nn.Module):
                        slots: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Decode attention one sequence at a time over its own context, unpadded: for
         batches of mixed lengths, reading no padding beats one batched call."""
-        keys = key_flat.index_select(0, slots)  # [sum(lens), Hk, D]
-        values = value_flat.index_select(0, slots)
+        keys = key_flat.index_select(0, slots).to(q.dtype)  # [sum(lens), Hk, D]
+        values = value_flat.index_select(0, slots).to(q.dtype)
         out = torch.empty_like(q)
         start, window = 0, self.sliding_window
         for i, n in enumerate(lens):

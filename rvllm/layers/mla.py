@@ -34,17 +34,17 @@ class LatentAttention(Attention):
         ctx = get_forward_context()
         assert self.kv_cache is not None, "KV cache not bound to this layer"
         flat = self.kv_cache[0].view(-1, 1, self.head_dim)
-        flat.index_copy_(0, ctx.slot_mapping, latent)
+        flat.index_copy_(0, ctx.slot_mapping, latent.to(flat.dtype))
         rank = self.kv_lora_rank
         out = q.new_empty(q.shape[0], self.num_heads, rank)
         nd = ctx.num_decode_tokens
         if nd:
-            keys = flat[ctx.decode_slots].transpose(1, 2)  # [B, 1, L, r + rope]
+            keys = flat[ctx.decode_slots].to(q.dtype).transpose(1, 2)  # [B, 1, L, r + rope]
             out[:nd] = self._attend(q[:nd].unsqueeze(2), keys, keys[..., :rank],
                                     ctx.decode_mask(None, q.dtype)).squeeze(2)
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             mask = p.mask(None)
-            keys = latent[rows] if mask is None else flat[p.slots]
+            keys = latent[rows] if mask is None else flat[p.slots].to(q.dtype)
             out[rows] = self._prefill(q[rows], keys, keys[..., :rank], mask)
         return out
