@@ -40,6 +40,21 @@ def test_greedy_equals_argmax_of_logits() -> None:
     assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_greedy_matches_argmax_and_log_softmax(kernel_backend: str) -> None:
+    """The CPU's one-kernel greedy path (kernels/cpu_greedy.py) against torch: the first
+    index of a tied max, as torch.argmax, and the log-softmax of the chosen token."""
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(5)) * 4
+    logits[1, 7] = logits[1, 2900] = logits[1].max() + 1  # a tie: the first wins
+    logits[2] = 0.5  # all tied
+    logits[3, 100:] = -1e30  # far below the max: exp underflows to nothing
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(5)])
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+    assert out.sampled_token_ids[1:3] == [7, 0]
+    want = logits.log_softmax(dim=-1).gather(1, logits.argmax(dim=-1, keepdim=True))
+    np.testing.assert_allclose(out.sampled_logprobs, want.squeeze(1).tolist(), atol=1e-5)
+
+
 def test_greedy_on_bf16_logits_equals_argmax_in_float32() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).bfloat16()
     out = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(4)])

@@ -53,6 +53,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32) -> None:
         cpu_decoder_step,
         cpu_dequant,
         cpu_gemv,
+        cpu_greedy,
     )
 
     cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest
@@ -60,6 +61,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32) -> None:
     cpu_gemv.warm_up()
     cpu_decoder_step.warm_up(kv_dtype)
     cpu_batch_step.warm_up(kv_dtype)
+    cpu_greedy.warm_up()
 
 
 # (device, dtype, kernel) already checked in this process: once is enough.

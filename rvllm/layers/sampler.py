@@ -15,7 +15,7 @@ from itertools import chain
 
 import torch
 
-from rvllm.layers.backend import use_triton
+from rvllm.layers.backend import use_numba, use_triton
 from rvllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -50,13 +50,18 @@ class Sampler(torch.nn.Module):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}.")
         raw = logits.float()  # may alias the input: never modified in place
         processed = process_logits(raw, rows)
-        if (use_triton() and processed is raw and all(r.params.is_greedy for r in rows)
+        if (processed is raw and all(r.params.is_greedy for r in rows)
                 and all(r.params.logprobs is None for r in rows)):
-            # One pass over the logits for the argmax and its logprob.
-            from rvllm.kernels.greedy import greedy_sample
+            if use_triton():
+                # One pass over the logits for the argmax and its logprob.
+                from rvllm.kernels.greedy import greedy_sample
 
-            token_ids, logprobs = greedy_sample(raw)
-            return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
+                token_ids, logprobs = greedy_sample(raw)
+                return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
+            if use_numba() and raw.device.type == "cpu":
+                from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
+
+                return SamplerOutput(*cpu_greedy_sample(raw), None, None)
         token_ids = _sample(processed, rows)
         return _make_output(raw, token_ids, rows)
 
