@@ -75,7 +75,7 @@ class LLMEngine:
         phase = time.perf_counter()
         # The numba kernels load from numba's cache on a thread of their own meanwhile.
         self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype,
-                                                       kv_dtype)
+                                                       kv_dtype, args.quantization == "int8")
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -476,10 +476,10 @@ class _Warming(threading.Thread):
     """The numba kernels loading (or compiling) on a thread while the engine loads the
     tokenizer and the weights; ``join`` re-raises what the loading raised."""
 
-    def __init__(self, kv_dtype: torch.dtype) -> None:
+    def __init__(self, kv_dtype: torch.dtype, int8: bool) -> None:
         super().__init__(name="rvllm-numba-warm-up", daemon=True)
         self.error: BaseException | None = None
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.int8 = kv_dtype, int8
         self.start()
 
     def run(self) -> None:
@@ -487,7 +487,7 @@ class _Warming(threading.Thread):
 
         start = time.perf_counter()
         try:
-            warm_up_numba(self.kv_dtype)
+            warm_up_numba(self.kv_dtype, self.int8)
         except BaseException as error:  # noqa: BLE001 - handed to the joining thread
             self.error = error
             return
@@ -501,7 +501,7 @@ class _Warming(threading.Thread):
 
 
 def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
-                    kv_dtype: torch.dtype) -> tuple[str, _Warming | None]:
+                    kv_dtype: torch.dtype, int8: bool) -> tuple[str, _Warming | None]:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
     The numba kernels start loading from numba's cache (or compiling) on a thread: join
@@ -509,7 +509,8 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
 
     backend = resolve_kernel_backend(requested, device, dtype)
-    warming = _Warming(kv_dtype) if backend == "numba" else None
+    # Only the forms this engine runs: each one loaded is start-up time.
+    warming = _Warming(kv_dtype, int8) if backend == "numba" else None
     if backend == "triton":
         from rvllm.kernels import check_kernels
 

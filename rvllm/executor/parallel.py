@@ -171,7 +171,7 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     if backend == "numba":
         from rvllm.kernels import warm_up_numba
 
-        warm_up_numba(kv_dtype)
+        warm_up_numba(kv_dtype, engine_args.quantization == "int8")
     set_kernel_backend(backend)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
     model = load_model(config, device, load_format=engine_args.load_format,

@@ -44,9 +44,10 @@ def match_torch_threads() -> None:
         numba.set_num_threads(want)
 
 
-def warm_up_numba(kv_dtype: torch.dtype = torch.float32) -> None:
+def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
     """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, for a
-    KV cache of ``kv_dtype``, so the first decode step does not pay for it."""
+    KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, so the
+    first decode step does not pay for it. Each form loaded costs start-up time."""
     from rvllm.kernels import (
         cpu_batch_step,
         cpu_decode_attention,
@@ -58,9 +59,9 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32) -> None:
 
     cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest
     cpu_decode_attention.warm_up(kv_dtype)
-    cpu_gemv.warm_up()
-    cpu_decoder_step.warm_up(kv_dtype)
-    cpu_batch_step.warm_up(kv_dtype)
+    cpu_gemv.warm_up(int8)
+    cpu_decoder_step.warm_up(kv_dtype, int8)
+    cpu_batch_step.warm_up(kv_dtype, int8)
     cpu_greedy.warm_up()
 
 

@@ -370,13 +370,13 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     return out
 
 
-def warm_up(kv_dtype: torch.dtype = torch.float32) -> None:
-    """Compile (or load from numba's cache) the step for float32 and int8 weights on a
-    one-layer toy stack with a cache of ``kv_dtype``, so a model's first decode step does
-    not pay for it."""
+def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
+    """Compile (or load from numba's cache) the step for float32 weights (and int8 ones
+    when ``int8``) on a one-layer toy stack with a cache of ``kv_dtype``, so a model's
+    first decode step does not pay for it."""
     heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 8
     kept = []  # the toy weights stay alive while the step reads them by address
-    for dtype in (np.float32, np.int8):
+    for dtype in (np.float32, np.int8) if int8 else (np.float32,):
         def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
             weight = np.zeros((rows, cols), dtype)
             kept.append(weight)

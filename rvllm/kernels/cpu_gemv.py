@@ -88,8 +88,10 @@ def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
     return out
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel for float32 and int8 weights."""
+def warm_up(int8: bool = True) -> None:
+    """Compile (or load from numba's cache) the kernel for float32 weights, and for int8
+    weights too when ``int8``."""
     x = torch.zeros(1, 4)
     gemv(x, row_major(torch.zeros(2, 4)))
-    gemv(x, row_major(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))
+    if int8:
+        gemv(x, row_major(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))
