@@ -47,7 +47,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decode_tokens: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] gather index into the cache
+    # [num_decodes, max_len] gather index into the cache; None until gather_slots() when the
+    # runner leaves it to be built from the block tables (the numba kernels never read it).
+    decode_slots: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None  # [num_decodes] context length including the new token
     prefills: list[PrefillSeq]
     _decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
@@ -63,6 +65,16 @@ class AttentionMetadata:
     cpu_decode_arrays: tuple | None = None
     # ragged_decode()'s answer, once computed: False = not computed yet.
     _ragged: tuple[torch.Tensor, list[int]] | None | bool = False
+    block_size: int = 0  # the cache's, for gather_slots()
+
+    def gather_slots(self) -> torch.Tensor | None:
+        """``decode_slots``, built from the decodes' block tables on first use when the
+        runner left it out."""
+        if self.decode_slots is None and self.decode_block_tables is not None:
+            assert self.decode_seq_lens is not None and self.block_size > 0
+            self.decode_slots = decode_slots_from_tables(
+                self.decode_block_tables, self.decode_seq_lens, self.block_size)
+        return self.decode_slots
 
     def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """[num_decodes, 1, 1, max_len] additive mask (0 = attend, -inf = not), or None when
@@ -70,9 +82,10 @@ class AttentionMetadata:
         in the compute dtype because SDPA turns a bool mask into exactly that, once per
         call; here it is built once per step."""
         if window not in self._decode_masks:
-            assert self.decode_slots is not None and self.decode_seq_lens is not None
-            max_len = self.decode_slots.shape[1]
-            k_pos = torch.arange(max_len, device=self.decode_slots.device).unsqueeze(0)
+            slots = self.gather_slots()
+            assert slots is not None and self.decode_seq_lens is not None
+            max_len = slots.shape[1]
+            k_pos = torch.arange(max_len, device=slots.device).unsqueeze(0)
             last = (self.decode_seq_lens - 1).unsqueeze(1)
             mask = k_pos <= last
             if window is not None:
@@ -91,7 +104,7 @@ class AttentionMetadata:
         on its own (one call each instead of one for the batch)."""
         if self._ragged is False:
             self._ragged = None
-            slots, lens = self.decode_slots, self.decode_seq_lens
+            slots, lens = self.gather_slots(), self.decode_seq_lens
             # On a GPU one batched call wins whatever the padding (and tolist() would sync).
             if (slots is not None and lens is not None and slots.shape[0] > 1
                     and slots.device.type == "cpu"):
@@ -106,6 +119,16 @@ class AttentionMetadata:
 # Padding rows (tokens per decoding sequence, on average) past which the CPU attends to
 # each sequence on its own: one SDPA call costs about as much as reading this many keys.
 RAGGED_MIN_PADDING_PER_ROW = 64
+
+
+def decode_slots_from_tables(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+                             ) -> torch.Tensor:
+    """The cache slot of every context position of each decoding sequence, [num_decodes,
+    max_len], from its block table and length. Padding repeats the sequence's last real
+    slot, never uninitialised memory (a NaN there would poison the masked softmax)."""
+    positions = torch.arange(int(seq_lens.max()), device=tables.device).unsqueeze(0)
+    k_pos = torch.minimum(positions, (seq_lens - 1).unsqueeze(1))
+    return torch.gather(tables, 1, k_pos // block_size) * block_size + k_pos % block_size
 
 
 def decode_block_tables(md: AttentionMetadata, block_size: int) -> torch.Tensor:

@@ -13,9 +13,10 @@ from rvllm.forward_context import (
     AttentionMetadata,
     PrefillSeq,
     add_block_tables,
+    decode_slots_from_tables,
     set_forward_context,
 )
-from rvllm.layers.backend import use_triton
+from rvllm.layers.backend import use_numba, use_triton
 from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 
@@ -179,7 +180,11 @@ class ModelRunner:
             pos.extend(range(ctx, ctx + n))
             slots.extend(seq_slots[ctx:].tolist())
         dev = self.device
-        decode_slots, decode_seq_lens, decode_tables = self._decode_gather(decodes)
+        # The numba kernels read the block tables: the per-position slots are built only
+        # if a torch path asks (AttentionMetadata.gather_slots). Tensor parallelism sends
+        # them to the workers.
+        lazy = use_numba() and self.tp_group is None
+        decode_slots, decode_seq_lens, decode_tables = self._decode_gather(decodes, lazy)
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode_tokens=len(decodes),
@@ -187,6 +192,7 @@ class ModelRunner:
             decode_seq_lens=decode_seq_lens,
             prefills=prefill_meta,
             decode_block_tables=decode_tables,
+            block_size=bs,
         )
         if use_triton():
             add_block_tables(metadata, bs)
@@ -213,25 +219,23 @@ class ModelRunner:
         tables = [s.seq.block_table[: (n - 1) // bs + 1] for s, n in zip(decodes, lens)]
         return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
 
-    def _decode_gather(self, decodes: list[ScheduledSeq]
+    def _decode_gather(self, decodes: list[ScheduledSeq], lazy_slots: bool = False
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Cache slots of every context position of each decoding sequence (padded), the
-        sequences' lengths, and their block tables (padded with block 0)."""
+        """Cache slots of every context position of each decoding sequence (padded; None
+        with ``lazy_slots``), the sequences' lengths, and their block tables (padded with
+        block 0)."""
         if not decodes:
             return None, None, None
         bs = self.block_size
-        seq_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
-        max_len = int(seq_lens.max())
-        max_blocks = -(-max_len // bs)
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(decodes):
-            row = s.seq.block_table[:max_blocks]
-            tables[i, : len(row)] = torch.tensor(row)
-        # Padding reads the sequence's last real slot, never uninitialised memory
-        # (a NaN there would poison the masked softmax).
-        k_pos = torch.minimum(torch.arange(max_len).unsqueeze(0), (seq_lens - 1).unsqueeze(1))
-        slots = torch.gather(tables, 1, k_pos // bs) * bs + k_pos % bs
-        return slots.to(self.device), seq_lens.to(self.device), tables.to(self.device)
+        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        max_blocks = -(-max(lens) // bs)
+        rows = [s.seq.block_table[:max_blocks] for s in decodes]
+        tables = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows],
+                              dtype=torch.long)
+        seq_lens = torch.tensor(lens)
+        slots = None if lazy_slots else decode_slots_from_tables(tables, seq_lens, bs)
+        return (None if slots is None else slots.to(self.device), seq_lens.to(self.device),
+                tables.to(self.device))
 
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
                 logits: torch.Tensor | None) -> list[SeqStepOutput]:

@@ -131,7 +131,7 @@ class Attention(nn.Module):
             return self._decode_ragged(q, key_flat, value_flat, *ragged)
         # index_select on the flattened slots is several times faster than indexing with
         # the [B, L] tensor itself on the CPU.
-        slots = ctx.decode_slots
+        slots = ctx.gather_slots()
         assert slots is not None
         b, n = slots.shape
         flat = slots.view(-1)

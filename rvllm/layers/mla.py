@@ -39,7 +39,7 @@ class LatentAttention(Attention):
         out = q.new_empty(q.shape[0], self.num_heads, rank)
         nd = ctx.num_decode_tokens
         if nd:
-            keys = flat[ctx.decode_slots].to(q.dtype).transpose(1, 2)  # [B, 1, L, r + rope]
+            keys = flat[ctx.gather_slots()].to(q.dtype).transpose(1, 2)  # [B, 1, L, r + rope]
             out[:nd] = self._attend(q[:nd].unsqueeze(2), keys, keys[..., :rank],
                                     ctx.decode_mask(None, q.dtype)).squeeze(2)
         for p in ctx.prefills:
