@@ -13,8 +13,9 @@
 # direct benchmark), SERVE_PEERS (engines of the serving race), WORKLOADS (default
 # "smollm2 random-llama"), BENCH_N, INPUT_LEN, OUTPUT_LEN, SERVE_PROMPTS, SERVE_CONCURRENCY,
 # SERVE_RATE, SERVE_INPUT_LEN, SERVE_OUTPUT_LEN, SERVE_RANGE_RATIO, SERVE_OUTPUT_RANGE_RATIO,
-# THREADS, RESULTS (the results folder, default benchmarks/results). Engines: rvllm, rvllm-fp16 and rvllm-int8 (--quantization), rvllm-bf16kv and
-# rvllm-int8-bf16kv (--kv-cache-dtype bfloat16, without and with int8), transformers,
+# THREADS, RESULTS (the results folder, default benchmarks/results). Engines: rvllm,
+# rvllm-fp16 and rvllm-int8 (--quantization), rvllm-bf16kv and rvllm-int8-bf16kv
+# (--kv-cache-dtype bfloat16, without and with int8), transformers,
 # llama-cpp (the workload's GGUF: SmolLM2's Q4_1, the random Llama's f32), llama-cpp-f16 and
 # llama-cpp-q8 (random Llama only), vllm.
 # Peers are benchmark extras: nothing here is a CI dependency.
