@@ -70,6 +70,28 @@ def test_killed_worker_fails_the_step_quickly(llama_dir: Path) -> None:
         engine.shutdown()
 
 
+def test_check_alive_waits_for_an_exit_that_lags_the_broken_socket() -> None:
+    """A collective can fail on a killed worker's reset socket before the worker's exit is
+    reported; the engine then waits a grace period to classify the failure as fatal."""
+    import multiprocessing
+
+    from rvllm.executor.parallel import TensorParallelGroup
+
+    group = object.__new__(TensorParallelGroup)
+    group.procs = [multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.5,),
+                                                                name="rvllm-tp1")]
+    group.procs[0].start()
+    try:
+        group.check_alive()  # still running, and no grace: no error
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rvllm-tp1"):
+            group.check_alive(grace=10)
+        assert time.monotonic() - start < 5
+        group.procs[0].join()
+    finally:
+        group.procs[0].kill()
+
+
 def test_heads_that_do_not_divide_are_refused(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="cannot be split over tensor_parallel_size=3"):
         LLM(str(llama_dir), tensor_parallel_size=3)

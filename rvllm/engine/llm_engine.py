@@ -35,6 +35,10 @@ logger = logging.getLogger("rvllm")
 
 PromptType = str | list[int] | dict[str, Any]
 
+# How long a failed collective waits for a tensor-parallel worker's exit to be reported
+# before the failure is taken for something other than a dead worker.
+_WORKER_EXIT_GRACE_S = 5.0
+
 
 @dataclass(eq=False)
 class Request:
@@ -375,7 +379,7 @@ class LLMEngine:
             # A collective that fails because a peer vanished is a dead worker.
             if isinstance(e, WorkerDiedError):
                 raise
-            self.tp_group.check_alive()
+            self.tp_group.check_alive(grace=_WORKER_EXIT_GRACE_S)
             raise
 
     def _append_token(self, out: SeqStepOutput, now: float) -> None:

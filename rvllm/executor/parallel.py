@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -223,10 +224,18 @@ class TensorParallelGroup:
         """Returns once every rank has loaded its shard and allocated its cache."""
         dist.barrier()
 
-    def check_alive(self) -> None:
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if dead:
-            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died.")
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raises WorkerDiedError if a worker is gone, waiting up to ``grace`` seconds for
+        one to be: a killed worker's sockets break a moment before its exit is reported,
+        and under load that moment can outlast the collective that saw them break."""
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            if dead:
+                raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died.")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     def shutdown(self) -> None:
         if self.stopped:

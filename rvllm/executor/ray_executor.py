@@ -88,9 +88,9 @@ class RayTensorParallelGroup:
 
         dist.barrier()
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace: float = 0.0) -> None:
         ray = _ray()
-        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        done, _ = ray.wait(self.runs, num_returns=1, timeout=grace)
         if done:
             raise WorkerDiedError(f"{len(done)} Ray tensor-parallel worker(s) died.")
 
