@@ -140,6 +140,23 @@ def test_int8_quantization_is_per_output_row_and_symmetric() -> None:
     assert q.tolist() == [[64, -127, 32], [127, 64, -127]]
 
 
+def test_numba_int8_quantization_is_bit_identical_to_torch() -> None:
+    from rvllm.kernels.cpu_quantize import quantize_int8 as numba_quantize_int8
+
+    torch.manual_seed(0)
+    # Rows from 1e-12 to 1e3 in scale (the smallest hit the 1e-10 scale floor), a zero row,
+    # and quotients exactly halfway between integers (torch.round rounds them to even).
+    w = torch.randn(300, 577) * torch.logspace(-12, 3, 300)[:, None]
+    w[0] = 0
+    w[1, :5] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5])
+    w[2, :4] = torch.tensor([-254.0, 1.0, 3.0, -5.0])
+    for weight in (w, torch.randn(192, 64).t()):  # and a transposed (strided) one
+        q, scale = quantize_int8(weight)
+        got_q, got_scale = numba_quantize_int8(weight)
+        assert torch.equal(got_q, q) and torch.equal(got_scale, scale)
+    assert numba_quantize_int8(w)[0][1, :5].tolist() == [127, 0, 2, -2, 64]
+
+
 def test_tied_lm_head_keeps_the_embedding_weight() -> None:
     block = Block()
     block.lm_head.keeps_weight = True

@@ -55,9 +55,12 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> N
         cpu_dequant,
         cpu_gemv,
         cpu_greedy,
+        cpu_quantize,
     )
 
-    cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest
+    cpu_dequant.warm_up()  # first: a GGUF model's loading needs them soonest,
+    if int8:
+        cpu_quantize.warm_up()  # then its int8 quantization
     cpu_decode_attention.warm_up(kv_dtype)
     cpu_gemv.warm_up(int8)
     cpu_decoder_step.warm_up(kv_dtype, int8)
