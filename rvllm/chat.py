@@ -13,12 +13,14 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     from rvllm.cli import sampling_params_from
     from rvllm.cli_args import engine_args_from_namespace
     from rvllm.engine.llm_engine import LLMEngine
+    from rvllm.startup import resume_collector
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     params = sampling_params_from(args)
     start = time.perf_counter()
     engine = LLMEngine(engine_args_from_namespace(args))
+    resume_collector()
     print(f"Loaded {engine.model_config.path} in {time.perf_counter() - start:.2f}s. "
           "Type a message; Ctrl-D or Ctrl-C to quit.", file=sys.stderr)
     messages: list[dict[str, str]] = []

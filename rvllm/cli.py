@@ -7,6 +7,7 @@ import sys
 import time
 
 from rvllm.cli_args import add_engine_args, engine_args_from_namespace
+from rvllm.startup import resume_collector
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "bench":  # the bench commands load no engine
+        from rvllm.startup import pause_collector
+
+        pause_collector()  # until the engine is up: see rvllm.startup
     try:
         if args.command == "serve":
             from rvllm.server.app import run_server
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        resume_collector(freeze=False)  # if the command ended before its engine was up
     return 0
 
 
@@ -89,6 +96,7 @@ def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine
 
     start = time.perf_counter()
     engine = LLMEngine(engine_args_from_namespace(args))
+    resume_collector()
     print(f"Loaded {engine.model_config.path} in {time.perf_counter() - start:.2f}s",
           file=sys.stderr)
     return engine

@@ -112,6 +112,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     from rvllm.cli_args import engine_args_from_namespace
     from rvllm.engine.llm_engine import LLMEngine
+    from rvllm.startup import resume_collector
 
     sizes = parse_batch_sizes(args.n)
     if args.input_len < 1 or args.output_len < 1 or args.num_iters < 1:
@@ -121,6 +122,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = LLMEngine(engine_args)
     startup_s = time.perf_counter() - t0
+    resume_collector()
     vocab = engine.model_config.vocab_size
     seed = args.seed or 0
     rows = []

@@ -32,6 +32,7 @@ from rvllm.server.metrics import ServerMetrics
 from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing
+from rvllm.startup import resume_collector
 
 logger = logging.getLogger("rvllm")
 
@@ -147,6 +148,7 @@ def run_server(ns: argparse.Namespace) -> None:
     else:
         engine = AsyncEngine.from_engine_args(args)
         replicas = [engine]
+    resume_collector()
     for replica in replicas:
         # A dead worker ends the server (its requests were already failed).
         replica.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
