@@ -90,8 +90,8 @@ class RayTensorParallelGroup:
 
     def check_alive(self, grace: float = 0.0) -> None:
         ray = _ray()
-        done, _ = ray.wait(self.runs, num_returns=1, timeout=grace)
-        if done:
+        if ray.wait(self.runs, num_returns=1, timeout=grace)[0]:  # the first to end
+            done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
             raise WorkerDiedError(f"{len(done)} Ray tensor-parallel worker(s) died.")
 
     def kill_worker(self, index: int) -> None:

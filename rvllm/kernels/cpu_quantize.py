@@ -2,7 +2,7 @@
 
 ``--quantization int8`` quantizes every linear weight at start-up. In torch that is five
 passes over the weight (abs, max, divide, round, clamp) and a cast, each allocating its
-result: about half a second of a SmolLM2 start. Here each row is read twice (its largest
+result: up to half a second of a SmolLM2 start. Here each row is read twice (its largest
 magnitude, then the rounded quotients) on numba's threads, in the same float32 operations
 in the same order as the torch reference (``layers.cpu_linear.quantize_int8``; no
 ``fastmath``), so the result is bit-identical to it (``tests/test_cpu_linear.py``).

@@ -180,7 +180,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             m.weight.data = torch.empty(0, dtype=m.weight.dtype)
     if packs:
         # fbgemm packs a weight on one thread, outside the GIL: a thread per core takes
-        # SmolLM2's int8 start-up packing from 0.6-1.05 s to 0.4-0.55 s. (oneDNN's reorder
+        # the int8 packing of SmolLM2's weights from 0.6-1.05 s to 0.4-0.55 s. (oneDNN's reorder
         # above gains nothing so.) catch_warnings is not thread-safe: it wraps the pool.
         with warnings.catch_warnings(), \
                 ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
