@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -167,10 +168,10 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             if keep_rows:
                 m.row_major_weight = row_major(w)
         elif kind == "fp16":
-            packs.append((m, torch.ops.quantized.linear_prepack_fp16, (w.float(), None)))
+            packs.append((m, partial(torch.ops.quantized.linear_prepack_fp16, w.float(), None)))
         else:
             q, scale = quantize(w)
-            packs.append((m, _pack_int8, (q, scale)))
+            packs.append((m, partial(_pack_int8, q, scale)))
             if keep_rows:
                 m.row_major_weight = row_major(q, scale)
         m.linear_kind = kind
@@ -185,7 +186,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         with warnings.catch_warnings(), \
                 ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             warnings.simplefilter("ignore", UserWarning)  # see _pack_int8
-            packed = pool.map(lambda item: item[1](*item[2]), packs)
-            for (m, _, _), weight in zip(packs, packed):
+            packed = pool.map(lambda item: item[1](), packs)
+            for (m, _), weight in zip(packs, packed):
                 m.packed_weight = weight
     return kind

@@ -50,7 +50,8 @@ class Sampler(torch.nn.Module):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}.")
         raw = logits.float()  # may alias the input: never modified in place
         processed = process_logits(raw, rows)
-        if (processed is raw and all(r.params.is_greedy for r in rows)
+        kernel = use_triton() or (use_numba() and raw.device.type == "cpu")
+        if (kernel and processed is raw and all(r.params.is_greedy for r in rows)
                 and all(r.params.logprobs is None for r in rows)):
             if use_triton():
                 # One pass over the logits for the argmax and its logprob.
@@ -58,10 +59,9 @@ class Sampler(torch.nn.Module):
 
                 token_ids, logprobs = greedy_sample(raw)
                 return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
-            if use_numba() and raw.device.type == "cpu":
-                from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
+            from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
 
-                return SamplerOutput(*cpu_greedy_sample(raw), None, None)
+            return SamplerOutput(*cpu_greedy_sample(raw), None, None)
         token_ids = _sample(processed, rows)
         return _make_output(raw, token_ids, rows)
 
