@@ -215,3 +215,39 @@ def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
         assert math.exp(abs(math.log(ppl / ref_ppl))) < ppl_ratio, (name, ppl, ref_ppl)
         if max_diff is not None:
             assert max(abs(a - b) for a, b in zip(logprobs, ref)) < max_diff, name
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("int8", [False, True])
+def test_lane_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
+                                                       int8: bool) -> None:
+    """The GEMV (``cpu_gemv._matvec``) and the fused gate/up/SiLU
+    (``cpu_decoder_step._gate_up_silu``) stream each thread's share of the rows as eight
+    lanes at once: every split of the rows (shares that are whole lanes, and shares with
+    rows left over) must give F.linear's numbers, with and without scales and biases."""
+    from rvllm.kernels.cpu_decoder_step import _gate_up_silu
+    from rvllm.kernels.cpu_gemv import _matvec
+
+    gen = torch.Generator().manual_seed(parts * 10 + rows)
+    empty = torch.empty(0).numpy()
+    for n in (5, 16, 48, 67, 130):
+        x = torch.randn(rows, 40, generator=gen)
+        if int8:
+            q = torch.randint(-127, 128, (2 * n, 40), generator=gen, dtype=torch.int8)
+            scale = torch.rand(2 * n, generator=gen) / 50
+            weight, dense = q, q.float() * scale[:, None]
+        else:
+            weight = dense = torch.randn(2 * n, 40, generator=gen)
+            scale = torch.empty(0)
+        bias = torch.randn(2 * n, generator=gen)
+        for b in (None, bias):
+            out = torch.empty(rows, 2 * n)
+            _matvec(x.numpy(), weight.numpy(), scale.numpy(),
+                    empty if b is None else b.numpy(), out.numpy(), parts)
+            torch.testing.assert_close(out, F.linear(x, dense, b), rtol=1e-5, atol=1e-4)
+            act = torch.empty(rows, n)
+            _gate_up_silu(x.numpy(), weight.numpy(), scale.numpy(),
+                          empty if b is None else b.numpy(), act.numpy(), parts)
+            gate, up = F.linear(x, dense, b).chunk(2, dim=-1)
+            torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-4)

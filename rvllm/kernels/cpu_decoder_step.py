@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads
-from rvllm.kernels.cpu_gemv import _CHUNK, _dot, _matvec, _widen
+from rvllm.kernels.cpu_gemv import _dot, _dot8, _matvec, _share
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv, widen_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
@@ -63,31 +63,38 @@ def _weight(addresses, layer, like, rows, cols):
 MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
 
 
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _silu_put(out, b, r, g, u, scale, bias, inter):
+    """out[b, r] = SiLU(g) * u, g from gate row r and u from up row r + inter, each
+    with its row's scale and bias."""
+    if scale.shape[0] > 0:
+        g *= scale[r]
+        u *= scale[r + inter]
+    if bias.shape[0] > 0:
+        g += bias[r]
+        u += bias[r + inter]
+    out[b, r] = g / (np.float32(1.0) + exp32(-g)) * u
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _gate_up_silu(x, w, scale, bias, out):
-    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up) and SiLU(gate) * up,
-    a pair of rows at a time: the [B, 2I] intermediate never exists."""
-    inter, k = out.shape[1], w.shape[1]
-    rows = x.shape[0]
-    has_scale, has_bias = scale.shape[0] > 0, bias.shape[0] > 0
-    for chunk in prange((inter + _CHUNK - 1) // _CHUNK):
-        gate_buf, up_buf = np.empty((1, k), np.float32), np.empty((1, k), np.float32)
-        for r in range(chunk * _CHUNK, min(inter, (chunk + 1) * _CHUNK)):
-            if rows > 1:
-                _widen(w, r, gate_buf)
-                _widen(w, r + inter, up_buf)
-            for b in range(rows):
-                if rows == 1:
-                    g, u = _dot(w, r, x, b), _dot(w, r + inter, x, b)
-                else:
-                    g, u = _dot(x, b, gate_buf, 0), _dot(x, b, up_buf, 0)
-                if has_scale:
-                    g *= scale[r]
-                    u *= scale[r + inter]
-                if has_bias:
-                    g += bias[r]
-                    u += bias[r + inter]
-                out[b, r] = g / (np.float32(1.0) + exp32(-g)) * u
+def _gate_up_silu(x, w, scale, bias, out, parts):
+    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up) and SiLU(gate) * up:
+    the [B, 2I] intermediate never exists. Each thread streams four lanes of its share of
+    gate rows with their up rows, eight weight rows at once (``cpu_gemv.LANES``);
+    ``parts`` as ``cpu_gemv._matvec``'s."""
+    inter = out.shape[1]
+    for part in prange(parts):
+        lo, hi, q = _share(inter, part, parts, 4)
+        for r in range(lo, lo + q):
+            for b in range(x.shape[0]):
+                d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + inter, r + q + inter,
+                          r + 2 * q + inter, r + 3 * q + inter, x, b)
+                for j in range(4):
+                    _silu_put(out, b, r + j * q, d[j], d[j + 4], scale, bias, inter)
+        for r in range(lo + 4 * q, hi):
+            for b in range(x.shape[0]):
+                _silu_put(out, b, r, _dot(w, r, x, b), _dot(w, r + inter, x, b), scale,
+                          bias, inter)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -155,15 +162,15 @@ def _rope(x, cos, sin):
 def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                   gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
                   value_cache, windows, tables, positions, slots, cos_table, sin_table,
-                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out):
+                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, parts):
     """One new token of each of B sequences through every layer. hidden [B, H]: the
     tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
     layer's row-major weight of that projection, by address (int64 [L]; element type
     ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
     [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
     D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
-    blocks; slots [B] where its K/V go (-1: nowhere). Writes the final norm of the last
-    residual to ``out`` [B, H]."""
+    blocks; slots [B] where its K/V go (-1: nowhere); parts: numba's thread count (see
+    ``cpu_gemv._matvec``). Writes the final norm of the last residual to ``out`` [B, H]."""
     rows, size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv_rows = q_size + 2 * kv_size
@@ -179,7 +186,7 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
             hidden += delta
         _rms_norm(hidden, norms1[layer], eps, normed)
         _matvec(normed, _weight(qkv_w, layer, like, qkv_rows, size), qkv_s[layer],
-                qkv_b[layer], qkv)
+                qkv_b[layer], qkv, parts)
         q = np.empty((rows, num_heads, head_dim), np.float32)
         for b in range(rows):
             row = qkv[b]
@@ -202,13 +209,13 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
         _attend(q, key_cache[layer], value_cache[layer], tables, positions, windows[layer],
                 scores, attn)
         _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
-                o_s[layer], o_b[layer], delta)
+                o_s[layer], o_b[layer], delta, parts)
         hidden += delta
         _rms_norm(hidden, norms2[layer], eps, normed)
         _gate_up_silu(normed, _weight(gu_w, layer, like, 2 * inter, size), gu_s[layer],
-                      gu_b[layer], act)
+                      gu_b[layer], act, parts)
         _matvec(act, _weight(down_w, layer, like, size, inter), down_s[layer],
-                down_b[layer], delta)
+                down_b[layer], delta, parts)
     hidden += delta
     _rms_norm(hidden, final_norm, eps, out)
 
@@ -366,7 +373,7 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
                   plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
                   plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
                   plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
-                  plan.final_norm, out.numpy())
+                  plan.final_norm, out.numpy(), numba.get_num_threads())
     return out
 
 
@@ -394,4 +401,5 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
                       *linear(hidden, inter), np.empty(0, dtype), inter, cache, cache,
                       zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
                       kv_heads, dim, np.float32(1.0), np.float32(1e-6),
-                      np.ones(hidden, np.float32), np.empty((1, hidden), np.float32))
+                      np.ones(hidden, np.float32), np.empty((1, hidden), np.float32),
+                      numba.get_num_threads())
