@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rvllm.layers.cpu_linear import (
+    finish_linear_weights,
     int8_available,
     int8_linear_reference,
     onednn_available,
@@ -155,6 +156,27 @@ def test_numba_int8_quantization_is_bit_identical_to_torch() -> None:
         got_q, got_scale = numba_quantize_int8(weight)
         assert torch.equal(got_q, q) and torch.equal(got_scale, scale)
     assert numba_quantize_int8(w)[0][1, :5].tolist() == [127, 0, 2, -2, 64]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("quantization", ["fp16", "int8"])
+def test_packing_left_running_gives_the_same_weights_once_finished(quantization: str) -> None:
+    """``wait=False`` (what the engine does while its tokenizer loads): until
+    ``finish_linear_weights`` a layer has no packed weight and a forward fails; after it,
+    the outputs are those of packing in place."""
+    x, h = inputs(4)
+    waited = Block()
+    prepare_linear_weights(waited, "auto", quantization)
+    want = waited.outputs(x, h)
+    block = Block()
+    assert prepare_linear_weights(block, "auto", quantization, wait=False) == quantization
+    assert not hasattr(block.col, "packed_weight")
+    with pytest.raises(AttributeError):
+        block.col(x)
+    finish_linear_weights(block)
+    finish_linear_weights(block)  # nothing left: a no-op
+    for got, expected in zip(block.outputs(x, h), want):
+        assert torch.equal(got, expected)
 
 
 def test_tied_lm_head_keeps_the_embedding_weight() -> None:

@@ -74,12 +74,15 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
     return F.linear((xq - zp) * sx, q.float() * scale[:, None]) * s
 
 
-def _pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fbgemm's packed form of a per-row int8 weight. torch 2.13 marks quantized tensors
-    deprecated, and the prepack still takes one: the caller silences that UserWarning."""
+def _int8_tensor(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A per-row int8 weight as the quantized tensor fbgemm's prepack takes. torch 2.13
+    marks quantized tensors deprecated and warns here; the prepack still needs one, so
+    the warning is silenced (on this thread: ``catch_warnings`` is not thread-safe, and
+    the prepacks run on others)."""
     zeros = torch.zeros(q.shape[0], dtype=torch.long)
-    qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
-    return torch.ops.quantized.linear_prepack(qweight, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
 
 
 def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -113,10 +116,31 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     return y.view(*lead, y.shape[-1])
 
 
+class _Packing:
+    """Weights being packed on threads of their own; ``wait`` gives each module its
+    packed weight (and raises what a pack raised)."""
+
+    def __init__(self, packs: list[tuple[nn.Module, partial]], workers: int) -> None:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="rvllm-pack")
+        self._jobs = [(m, pool.submit(pack)) for m, pack in packs]
+        pool.shutdown(wait=False)  # its threads end when the last pack is done
+
+    def wait(self) -> None:
+        for m, job in self._jobs:
+            m.packed_weight = job.result()
+        self._jobs = []
+
+
 def prepare_linear_weights(model: nn.Module, backend: str = "auto",
-                           quantization: str | None = None) -> str:
+                           quantization: str | None = None, wait: bool = True) -> str:
     """Repack (or quantize) every eligible linear weight; returns the path that runs, for
-    the logs: "onednn", "int8" or "torch"."""
+    the logs: "onednn", "int8" or "torch".
+
+    fbgemm's packing (fp16, int8) runs on threads outside the GIL. With ``wait=False``
+    it goes on after this returns, so the caller's other start-up work overlaps it, and
+    :func:`finish_linear_weights` must be called before the model's first forward (until
+    then a layer has no packed weight: a forward that needs one fails, it does not
+    compute anything else)."""
     from rvllm.layers.linear import LINEAR_TYPES
 
     if backend not in CPU_LINEAR_BACKENDS:
@@ -160,10 +184,12 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     if keep_rows:
         from rvllm.kernels.cpu_gemv import row_major
         from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
-    packs = []  # fbgemm's prepacks, run below on a thread per core
+    packs = []  # (module, the fbgemm call that packs its weight), run below
     for m in on_cpu:
         w = m.weight.detach()
         if kind == "onednn":
+            # oneDNN's reorder holds the GIL: on another thread it would only take turns
+            # with this one, so it runs here.
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
             if keep_rows:
                 m.row_major_weight = row_major(w)
@@ -171,7 +197,8 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             packs.append((m, partial(torch.ops.quantized.linear_prepack_fp16, w.float(), None)))
         else:
             q, scale = quantize(w)
-            packs.append((m, partial(_pack_int8, q, scale)))
+            packs.append((m, partial(torch.ops.quantized.linear_prepack, _int8_tensor(q, scale),
+                                     None)))
             if keep_rows:
                 m.row_major_weight = row_major(q, scale)
         m.linear_kind = kind
@@ -181,12 +208,17 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             m.weight.data = torch.empty(0, dtype=m.weight.dtype)
     if packs:
         # fbgemm packs a weight on one thread, outside the GIL: a thread per core takes
-        # the int8 packing of SmolLM2's weights from 0.6-1.05 s to 0.4-0.55 s. (oneDNN's reorder
-        # above gains nothing so.) catch_warnings is not thread-safe: it wraps the pool.
-        with warnings.catch_warnings(), \
-                ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            warnings.simplefilter("ignore", UserWarning)  # see _pack_int8
-            packed = pool.map(lambda item: item[1](), packs)
-            for (m, _), weight in zip(packs, packed):
-                m.packed_weight = weight
+        # the int8 packing of SmolLM2's weights from 0.6-1.05 s to 0.4-0.55 s.
+        packing = _Packing(packs, max(1, torch.get_num_threads()))
+        if wait:
+            packing.wait()
+        else:
+            model.pending_packing = packing
     return kind
+
+
+def finish_linear_weights(model: nn.Module) -> None:
+    """Wait for the packing ``prepare_linear_weights(..., wait=False)`` left running."""
+    packing = model.__dict__.pop("pending_packing", None)
+    if packing is not None:
+        packing.wait()

@@ -68,9 +68,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_model(config: ModelConfig, device: torch.device, progress: bool = False,
                load_format: str = "auto", cpu_linear_backend: str = "auto",
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, wait_packing: bool = True) -> nn.Module:
     """Instantiate the registered class for ``config``, load its weights, and (on the CPU)
-    repack or quantize the linear weights; ``model.linear_backend`` names the path."""
+    repack or quantize the linear weights; ``model.linear_backend`` names the path. With
+    ``wait_packing=False`` the packing goes on on threads of its own after this returns:
+    ``cpu_linear.finish_linear_weights(model)`` before the first forward."""
     start = time.perf_counter()
     cls = get_model_class(config.architecture)
     torch.set_default_dtype(config.dtype)
@@ -81,7 +83,7 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         torch.set_default_dtype(torch.float32)
     if load_format == "dummy":
         init_dummy_weights(model)
-        return _finish(model, start, cpu_linear_backend, quantization)
+        return _finish(model, start, cpu_linear_backend, quantization, wait_packing)
     if config.gguf_file is not None:
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
@@ -96,12 +98,13 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         raise ValueError(
             f"the checkpoint in {config.path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
-    return _finish(model, start, cpu_linear_backend, quantization)
+    return _finish(model, start, cpu_linear_backend, quantization, wait_packing)
 
 
 def _finish(model: nn.Module, start: float, cpu_linear_backend: str,
-            quantization: str | None) -> nn.Module:
+            quantization: str | None, wait_packing: bool) -> nn.Module:
     model.eval()
-    model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization)
+    model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization,
+                                                  wait=wait_packing)
     model.load_seconds = time.perf_counter() - start
     return model

@@ -1,0 +1,106 @@
+"""N=1 decode on the CPU against what this machine's memory delivers, measured in turns.
+
+A one-sequence decode step reads every linear layer's weight once: its speed is bounded
+by the memory's read bandwidth. This prints the weight bytes a step reads, then
+alternates two measurements so a drift in the machine's speed reaches both alike:
+- a read of a buffer of the same size by numba on every thread, eight streams a thread
+  (the fastest read we have found here; one stream a thread gets 25-30% less);
+- ``--steps`` decode steps of one sequence through the engine (``LLMEngine.step``, the
+  sampling and Python included).
+Each step's weight bytes over its median time, as a share of the read's median rate, is
+the "share of the bandwidth limit" of issue 6.
+
+    python scripts/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numba
+import numpy as np
+from numba import prange
+
+from rvllm import LLM, SamplingParams
+
+
+@numba.njit(parallel=True, fastmath=True)
+def read_streams(buf, parts):
+    """Sum of buf [R, C] (float32): each of ``parts`` threads reads its share of the rows
+    as eight streams at once."""
+    rows, cols = buf.shape
+    totals = np.zeros(parts, np.float32)
+    for part in prange(parts):
+        lo, hi = rows * part // parts, rows * (part + 1) // parts
+        q = (hi - lo) // 8
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+        for r in range(lo, lo + q):
+            for i in range(cols):
+                a0 += buf[r, i]
+                a1 += buf[r + q, i]
+                a2 += buf[r + 2 * q, i]
+                a3 += buf[r + 3 * q, i]
+                a4 += buf[r + 4 * q, i]
+                a5 += buf[r + 5 * q, i]
+                a6 += buf[r + 6 * q, i]
+                a7 += buf[r + 7 * q, i]
+        totals[part] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+    return totals.sum()
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of the weights (and int8 scales) a one-row step reads: every linear layer's
+    row-major copy, which is what the one-row kernels read."""
+    total = 0
+    for module in llm.engine.model.modules():
+        for array in getattr(module, "row_major_weight", None) or ():
+            total += array.nbytes
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps a round")
+    ns = parser.parse_args()
+
+    llm = LLM(ns.model, quantization=ns.quantization)
+    engine = llm.engine
+    nbytes = weight_bytes(llm)
+    if nbytes == 0:
+        raise SystemExit("this model keeps no row-major weights (not the numba one-row path)")
+    buf = np.random.default_rng(0).random((nbytes // 4096, 1024), dtype=np.float32)
+    parts = numba.get_num_threads()
+    read_streams(buf, parts)
+    params = SamplingParams(temperature=0, max_tokens=ns.rounds * ns.steps + 8,
+                            ignore_eos=True)
+    engine.add_request(None, {"prompt_token_ids": list(range(10, 42))}, params)
+    for _ in range(3):  # the prefill and the first decode steps
+        engine.step()
+    reads, steps = [], []
+    for _ in range(ns.rounds):
+        for _ in range(3):
+            t = time.perf_counter()
+            read_streams(buf, parts)
+            reads.append(buf.nbytes / (time.perf_counter() - t))
+        for _ in range(ns.steps):
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+    read_rate = statistics.median(reads)
+    step = statistics.median(steps)
+    print(f"model {ns.model} ({ns.quantization or 'float32'}), {parts} threads")
+    print(f"weight bytes a step reads: {nbytes / 1e6:.1f} MB")
+    print(f"read of {buf.nbytes / 1e6:.0f} MB, eight streams a thread: median "
+          f"{read_rate / 1e9:.1f} GB/s (best {max(reads) / 1e9:.1f})")
+    print(f"N=1 decode step: median {step * 1e3:.2f} ms = {1 / step:.1f} tok/s = "
+          f"{nbytes / step / 1e9:.1f} GB/s of weights, {nbytes / step / read_rate:.0%} of "
+          f"the read")
+
+
+if __name__ == "__main__":
+    main()
