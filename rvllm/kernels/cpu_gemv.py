@@ -2,9 +2,9 @@
 
 A decode step of one sequence multiplies one row of activations by every weight matrix:
 the time is the time to read the weights. oneDNN's packed GEMM and fbgemm read them at
-10-14 GB/s at one row on this class of CPU; a plain loop over the row-major weight, one
-output row after another, streams them at 18-19 GB/s, about what a streaming read gets
-from this machine's memory (20-22 GB/s).
+10-14 GB/s at one row (measured on an AMD machine of this class); a loop over the
+row-major weight reads them as fast as the memory delivers, when it keeps enough
+streams going (``LANES``).
 So a linear layer with this path keeps its weight row-major beside the packed copy
 (``layers.cpu_linear``), and one-row inputs come here.
 
@@ -13,10 +13,11 @@ So a linear layer with this path keeps its weight row-major beside the packed co
   float32 (each weight widened in registers), so this computes
   ``F.linear(x, q.float() * scale[:, None])`` up to summation order.
 
-Output rows are shared out in chunks over numba's threads. Float32 accumulation with
-``fastmath``: the same numbers as ``F.linear`` up to the order of the sums. ``_matvec``
-also takes a few rows at once (each weight row read from memory once for all of them)
-and a bias: the compiled decoder step (``cpu_decoder_step``) calls it too.
+Each of numba's threads takes a contiguous share of the output rows. Float32
+accumulation with ``fastmath``: the same numbers as ``F.linear`` up to the order of the
+sums. ``_matvec`` also takes a few rows of x at once (each weight row read from memory
+once for all of them) and a bias: the compiled decoder step (``cpu_decoder_step``) calls
+it too.
 """
 
 from __future__ import annotations
