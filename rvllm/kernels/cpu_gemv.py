@@ -44,7 +44,7 @@ def _dot(w, r, x, b):
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _dot8(w, r0, r1, r2, r3, r4, r5, r6, r7, x, b):
     """Eight dot products with x[b] in one pass: weight rows r0..r7, each widened to
-    float32 in registers (an int8 row) and summed in order of its own elements."""
+    float32 in registers (an int8 row); each sum runs over its own row alone."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for i in range(w.shape[1]):
         xi = x[b, i]
