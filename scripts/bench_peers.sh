@@ -58,6 +58,23 @@ setup_rvllm() {
   "$PY" -m pip install -q -e ".[bench]"
 }
 
+llama_isa_flags() {
+  # GGML_NATIVE compiles llama.cpp for this CPU, AMX included where the CPU reports it. A VM
+  # may report AMX and not run it (seen on an Emerald Rapids machine here: every quantized
+  # model died with "Illegal instruction"). There, name the instruction sets by hand.
+  if grep -qw amx_tile /proc/cpuinfo; then
+    local flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+    local f
+    for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI \
+        avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+      grep -qw "${f%%:*}" /proc/cpuinfo && flags="$flags -DGGML_${f##*:}=ON"
+    done
+    echo "$flags"
+  else
+    echo "-DGGML_NATIVE=ON"
+  fi
+}
+
 setup_llama_cpp() {
   mkdir -p "$PEERS_DIR/sdist"
   if [ ! -d "$SDIST" ]; then
@@ -69,8 +86,9 @@ setup_llama_cpp() {
   if [ ! -x "$LLAMA_BUILD/bin/llama-server" ]; then
     # One build serves both peers: libllama.so for llama-cpp-python and llama-server.
     log "building llama.cpp (shared libs + llama-server), ~30 min on 2 cores"
+    # shellcheck disable=SC2046  # the instruction-set flags split into words
     cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DBUILD_SHARED_LIBS=ON $(llama_isa_flags) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF
     CMAKE_BUILD_PARALLEL_LEVEL=2 cmake --build "$LLAMA_BUILD" --target llama-server llama -j 2
