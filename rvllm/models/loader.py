@@ -71,8 +71,9 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
                quantization: str | None = None, wait_packing: bool = True) -> nn.Module:
     """Instantiate the registered class for ``config``, load its weights, and (on the CPU)
     repack or quantize the linear weights; ``model.linear_backend`` names the path. With
-    ``wait_packing=False`` the packing goes on on threads of its own after this returns:
-    ``cpu_linear.finish_linear_weights(model)`` before the first forward."""
+    ``wait_packing=False`` fbgemm's packing (``--quantization``) goes on on threads of its
+    own after this returns: ``cpu_linear.finish_linear_weights(model)`` before the first
+    forward."""
     start = time.perf_counter()
     cls = get_model_class(config.architecture)
     torch.set_default_dtype(config.dtype)
