@@ -559,3 +559,19 @@ def test_numba_dequantize_is_bit_identical_to_the_torch_decoders(qtype: str,
     monkeypatch.setattr(dequant, "USE_NUMBA", False)
     monkeypatch.setattr(dequant, "_CHUNK_BLOCKS", 1000)  # several chunks
     assert torch.equal(fast, dequantize(raw, ggml_type, (300, 256)))
+
+
+def test_numba_decoders_widen_every_float16_scale_like_the_torch_decoders(monkeypatch) -> None:
+    """The numba decoders widen each block's float16 scale in the loop, with integer
+    arithmetic (numba has no float16 on the CPU): Q8_0 blocks whose scales take all 65536
+    float16 bit patterns (zeros, subnormals, infinities, NaNs, both signs) and whose
+    weights are all 1 decode to the same bits as the torch decoders give."""
+    from rvllm.models import dequant
+
+    blocks = np.ones((65536, 34), np.uint8)
+    blocks[:, :2] = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(-1)
+    fast = dequantize(raw, GGMLQuantizationType.Q8_0, (65536, 32))
+    monkeypatch.setattr(dequant, "USE_NUMBA", False)
+    slow = dequantize(raw, GGMLQuantizationType.Q8_0, (65536, 32))
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
