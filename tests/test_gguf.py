@@ -575,3 +575,40 @@ def test_numba_decoders_widen_every_float16_scale_like_the_torch_decoders(monkey
     monkeypatch.setattr(dequant, "USE_NUMBA", False)
     slow = dequantize(raw, GGMLQuantizationType.Q8_0, (65536, 32))
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_weights_decoded_in_place_equal_the_copied_ones(arch: str, tiny_ggufs,
+                                                        monkeypatch) -> None:
+    """GGUF weights stored as HF has them are decoded straight into their parameters
+    (fused QKV and gate/up rows included); the model equals one loaded by copying."""
+    from rvllm.config import ModelConfig
+    from rvllm.models import base
+    from rvllm.models.loader import load_model
+
+    path, _ = tiny_ggufs[arch]
+    config = ModelConfig.from_path(str(path), torch.float32)
+    real, asked = base.checkpoint_destinations, []
+
+    def counting(model: torch.nn.Module):  # noqa: ANN202
+        destination = real(model)
+
+        def where(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+            view = destination(name, shape)
+            asked.append((name, view is not None))
+            return view
+        return where
+
+    monkeypatch.setattr(base, "checkpoint_destinations", counting)
+    direct = load_model(config, torch.device("cpu"), cpu_linear_backend="torch").state_dict()
+    placed = {name for name, found in asked if found}
+    for piece in ("embed_tokens.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.",
+                  ".down_proj.", "input_layernorm."):
+        assert any(piece in name for name in placed), piece
+    if arch == "llama":  # the converter permutes Q and K rows: those are copied
+        assert not any(".q_proj." in name or ".k_proj." in name for name, _ in asked)
+    monkeypatch.setattr(base, "checkpoint_destinations", lambda model: None)
+    copied = load_model(config, torch.device("cpu"), cpu_linear_backend="torch").state_dict()
+    assert direct.keys() == copied.keys()
+    for name in direct:
+        assert torch.equal(direct[name], copied[name]), name

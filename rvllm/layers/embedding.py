@@ -35,6 +35,12 @@ class VocabParallelEmbedding(nn.Module):
         shard = loaded[self.vocab_start:self.vocab_end]
         param.data[: shard.shape[0]].copy_(shard)
 
+    def checkpoint_view(self, param: nn.Parameter, shard_id: int | str | None = None
+                        ) -> torch.Tensor | None:
+        """Where ``weight_loader`` puts a whole checkpoint tensor (a loader may decode it
+        there directly), or None where it keeps a slice of it."""
+        return param.data if self.shard_size == self.num_embeddings else None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)

@@ -53,6 +53,12 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
+    def checkpoint_view(self, param: nn.Parameter, shard_id: int | str | None = None
+                        ) -> torch.Tensor | None:
+        """Where ``weight_loader`` puts a whole checkpoint tensor (a loader may decode it
+        there directly), or None where it keeps a slice of it (tensor parallelism)."""
+        return param.data if self.tp_size == 1 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = apply_linear(self, x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
@@ -65,13 +71,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
+    def _rows(self, shard_id: int | str | None) -> tuple[int, int]:
         assert isinstance(shard_id, int)
         sizes = [s // self.tp_size for s in self.output_sizes]
-        offset = sum(sizes[:shard_id])
-        size = sizes[shard_id]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        offset, size = self._rows(shard_id)
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def checkpoint_view(self, param: nn.Parameter, shard_id: int | str | None = None
+                        ) -> torch.Tensor | None:
+        return param.data.narrow(0, *self._rows(shard_id)) if self.tp_size == 1 else None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,19 +102,29 @@ class QKVParallelLinear(ColumnParallelLinear):
         total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, total, bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: int | str | None = None) -> None:
+    def _rows(self, shard_id: int | str | None) -> tuple[int, int, int]:
+        """(first row, rows, checkpoint slice) of ``shard_id``'s part of the weight."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
-        elif shard_id == "k":
-            offset, size, rank = q_size, kv_size, self.tp_rank // self.kv_replicas
-        elif shard_id == "v":
-            offset, size, rank = q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas
-        else:
-            raise ValueError(f"unknown qkv shard {shard_id!r}")
+            return 0, q_size, self.tp_rank
+        if shard_id == "k":
+            return q_size, kv_size, self.tp_rank // self.kv_replicas
+        if shard_id == "v":
+            return q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas
+        raise ValueError(f"unknown qkv shard {shard_id!r}")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        offset, size, rank = self._rows(shard_id)
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+    def checkpoint_view(self, param: nn.Parameter, shard_id: int | str | None = None
+                        ) -> torch.Tensor | None:
+        if self.tp_size != 1:
+            return None
+        offset, size, _ = self._rows(shard_id)
+        return param.data.narrow(0, offset, size)
 
 
 class RowParallelLinear(nn.Module):
@@ -130,6 +152,11 @@ class RowParallelLinear(nn.Module):
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: int | str | None = None) -> None:
         param.data.copy_(loaded)
+
+    def checkpoint_view(self, param: nn.Parameter, shard_id: int | str | None = None
+                        ) -> torch.Tensor | None:
+        """As ``ColumnParallelLinear.checkpoint_view``: the weight or the bias whole."""
+        return param.data if self.tp_size == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(apply_linear(self, x))

@@ -4,7 +4,7 @@ expert-weight loading for the mixtures of experts)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,14 @@ def layer_window(cfg: dict[str, Any], layer_type: str) -> int | None:
     return int(window) if window and layer_type == "sliding_attention" else None
 
 
+def _target(name: str, stacked: StackedParams) -> tuple[str, int | str | None]:
+    """The parameter a checkpoint tensor goes into, and its shard of a fused one."""
+    for fused, original, shard_id in stacked:
+        if original in name:
+            return name.replace(original, fused), shard_id
+    return name, None
+
+
 def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 stacked: StackedParams = QKV_GATE_UP, tied: bool = False) -> set[str]:
     """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, folding the
@@ -55,14 +63,13 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        for fused, original, shard_id in stacked:
-            if original in name:
-                target, shard = name.replace(original, fused), shard_id
-                break
+        target, shard = _target(name, stacked)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name} has no place in the model")
+        if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            loaded.add(target)  # decoded in place (``checkpoint_destinations``)
+            continue
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             if tensor.shape != param.shape:
@@ -198,3 +205,35 @@ class MoECausalLM(CausalLM):
         loaded: set[str] = set()
         rest = route_expert_weights(params, self._renamed(weights), loaded)
         return loaded | load_params(self, rest, self.stacked_params, self.tied)
+
+
+def checkpoint_destinations(model: nn.Module
+                            ) -> Callable[[str, tuple[int, ...]], torch.Tensor | None] | None:
+    """For a model loaded by plain ``load_params``: a function from a checkpoint tensor's
+    name and shape to the float32 memory its values end up in (the parameter, or a fused
+    parameter's rows), or None where loading does more than copy it whole (tensor
+    parallelism, padding, a transform). A loader that decodes (``iter_gguf_tensors``)
+    writes there directly; ``load_params`` then finds the tensor in place."""
+    if not isinstance(model, CausalLM) or type(model).load_weights is not CausalLM.load_weights:
+        return None
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def destination(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if "rotary_emb.inv_freq" in name or (model.tied and name == "lm_head.weight"):
+            return None
+        target, shard = _target(name, model.stacked_params)
+        param = params.get(target)
+        if param is None or param.dtype != torch.float32:
+            return None
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            view = param.data if shard is None else None
+        else:
+            # Only the module whose loader this is knows where that loader writes.
+            view_of = getattr(getattr(loader, "__self__", None), "checkpoint_view", None)
+            view = view_of(param, shard) if view_of is not None else None
+        if view is None or tuple(view.shape) != tuple(shape) or not view.is_contiguous():
+            return None
+        return view
+
+    return destination

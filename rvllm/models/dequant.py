@@ -163,9 +163,12 @@ def _use_numba(ggml_type: int) -> bool:
 
 
 def dequantize(
-    raw: np.ndarray | memoryview | bytes, ggml_type: int, shape: tuple[int, ...]
+    raw: np.ndarray | memoryview | bytes, ggml_type: int, shape: tuple[int, ...],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode the raw bytes of one GGUF tensor into a float32 tensor of `shape`.
+    """Decode the raw bytes of one GGUF tensor into a float32 tensor of `shape`: into
+    `out` when given (a contiguous float32 tensor of that many elements, e.g. the model
+    parameter the values belong in; the result is then a view of it).
 
     `shape` is in torch order (GGUF lists dimensions the other way round); only
     the element count matters for decoding.
@@ -180,7 +183,13 @@ def dequantize(
             f"got {data.nbytes}"
         )
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    out = torch.empty(data.nbytes // type_size, block_size, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(data.nbytes // type_size, block_size, dtype=torch.float32)
+    elif (out.dtype != torch.float32 or not out.is_contiguous()
+          or out.numel() != math.prod(shape)):
+        raise ValueError(f"cannot decode a {tuple(shape)} tensor into a {out.dtype} tensor of "
+                         f"shape {tuple(out.shape)}")
+    out = out.view(data.nbytes // type_size, block_size)
     if _use_numba(ggml_type):  # reads the (memory-mapped, read-only) bytes in place
         from rvllm.kernels.cpu_dequant import dequantize_into
 

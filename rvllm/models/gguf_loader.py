@@ -259,10 +259,11 @@ class GGUFFile:
         info = self.tensors[name]
         return self._data[info.offset : info.offset + info.nbytes]
 
-    def load(self, name: str) -> torch.Tensor:
-        """Tensor `name` dequantized to float32, in torch order, as the file stores it."""
+    def load(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` dequantized to float32, in torch order, as the file stores it
+        (into ``out`` when given: see ``dequantize``)."""
         info = self.tensors[name]
-        return dequantize(self.raw(name), info.ggml_type, info.shape)
+        return dequantize(self.raw(name), info.ggml_type, info.shape, out)
 
 
 @functools.lru_cache(maxsize=4)
@@ -544,7 +545,14 @@ def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch
         return t
 
     def single(hf_name: str, kind: str | None = None) -> _Build:
-        return lambda ts: [(hf_name, fix(hf_name, kind, ts[0]))]
+        def build(ts: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+            return [(hf_name, fix(hf_name, kind, ts[0]))]
+
+        # The tensor is the HF one as stored: it can be decoded where it belongs.
+        unchanged = not ((arch == "llama" and kind in heads)
+                         or (arch in _GEMMAS and hf_name.endswith("norm.weight")))
+        build.direct = hf_name if unchanged else None  # type: ignore[attr-defined]
+        return build
 
     def fused_qkv(prefix: str, suffix: str) -> _Build:
         sizes = [heads["attn_q"] * head_dim, heads["attn_k"] * head_dim,
@@ -617,9 +625,15 @@ def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch
 
 
 def iter_gguf_tensors(
-    source: "str | os.PathLike[str] | GGUFFile", dtype: torch.dtype = torch.float32
+    source: "str | os.PathLike[str] | GGUFFile", dtype: torch.dtype = torch.float32,
+    destination: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every weight in the file, dequantized to `dtype`.
+
+    `destination(hf_name, shape)`, when given, may return the float32 tensor a weight
+    ends up in (``models.base.checkpoint_destinations``: the model's parameter, or its
+    rows of a fused one); a weight stored as HF has it is then decoded straight into
+    it, and the tensor yielded is that memory, which saves a copy of every weight.
 
     Names and shapes are those of the Hugging Face model (transformers 5's, so experts
     come stacked as `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`),
@@ -637,5 +651,11 @@ def iter_gguf_tensors(
         except ValueError as e:
             raise ValueError(f"{gguf.path}: tensor {info.name!r}: {e}") from None
     for sources, build in plan:
+        direct = getattr(build, "direct", None)
+        if direct is not None and destination is not None and dtype == torch.float32:
+            out = destination(direct, gguf.tensors[sources[0]].shape)
+            if out is not None:
+                yield direct, gguf.load(sources[0], out)
+                continue
         for hf_name, tensor in build([gguf.load(name) for name in sources]):
             yield hf_name, tensor.to(dtype)

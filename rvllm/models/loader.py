@@ -86,9 +86,11 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         init_dummy_weights(model)
         return _finish(model, start, cpu_linear_backend, quantization, wait_packing)
     if config.gguf_file is not None:
+        from rvllm.models.base import checkpoint_destinations
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
-        weights = tqdm(iter_gguf_tensors(config.gguf_file, dtype=config.dtype),
+        weights = tqdm(iter_gguf_tensors(config.gguf_file, dtype=config.dtype,
+                                         destination=checkpoint_destinations(model)),
                        desc="Loading GGUF tensors", unit="tensor", disable=not progress)
     else:
         weights = iter_safetensors(safetensors_files(Path(config.path)), progress)
