@@ -612,3 +612,18 @@ def test_weights_decoded_in_place_equal_the_copied_ones(arch: str, tiny_ggufs,
     assert direct.keys() == copied.keys()
     for name in direct:
         assert torch.equal(direct[name], copied[name]), name
+
+
+def test_no_destination_for_parameters_off_the_host(tiny_ggufs) -> None:
+    """The decoders write host memory: a parameter on another device is copied into as
+    before (meta stands in for a GPU here)."""
+    from rvllm.config import ModelConfig
+    from rvllm.models.base import checkpoint_destinations
+    from rvllm.models.registry import get_model_class
+
+    config = ModelConfig.from_path(str(tiny_ggufs["llama"][0]), torch.float32)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config.hf_config, config.max_model_len)
+    destination = checkpoint_destinations(model)
+    shape = tuple(model.model.layers[0].mlp.down_proj.weight.shape)
+    assert destination("model.layers.0.mlp.down_proj.weight", shape) is None

@@ -210,10 +210,11 @@ class MoECausalLM(CausalLM):
 def checkpoint_destinations(model: nn.Module
                             ) -> Callable[[str, tuple[int, ...]], torch.Tensor | None] | None:
     """For a model loaded by plain ``load_params``: a function from a checkpoint tensor's
-    name and shape to the float32 memory its values end up in (the parameter, or a fused
-    parameter's rows), or None where loading does more than copy it whole (tensor
-    parallelism, padding, a transform). A loader that decodes (``iter_gguf_tensors``)
-    writes there directly; ``load_params`` then finds the tensor in place."""
+    name and shape to the float32 host memory its values end up in (the parameter, or a
+    fused parameter's rows), or None where loading does more than copy it whole (tensor
+    parallelism, padding, a transform) or the parameter is on a GPU. A loader that
+    decodes (``iter_gguf_tensors``) writes there directly; ``load_params`` then finds
+    the tensor in place."""
     if not isinstance(model, CausalLM) or type(model).load_weights is not CausalLM.load_weights:
         return None
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -223,8 +224,8 @@ def checkpoint_destinations(model: nn.Module
             return None
         target, shard = _target(name, model.stacked_params)
         param = params.get(target)
-        if param is None or param.dtype != torch.float32:
-            return None
+        if param is None or param.dtype != torch.float32 or param.device.type != "cpu":
+            return None  # the decoders write host memory
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             view = param.data if shard is None else None
