@@ -54,6 +54,11 @@ def _target(name: str, stacked: StackedParams) -> tuple[str, int | str | None]:
     return name, None
 
 
+def _not_loaded(name: str, tied: bool) -> bool:
+    """Checkpoint tensors ``load_params`` skips: rotary tables, a tied LM head."""
+    return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+
+
 def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 stacked: StackedParams = QKV_GATE_UP, tied: bool = False) -> set[str]:
     """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, folding the
@@ -61,7 +66,7 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+        if _not_loaded(name, tied):
             continue
         target, shard = _target(name, stacked)
         param = params.get(target)
@@ -220,7 +225,7 @@ def checkpoint_destinations(model: nn.Module
     params = dict(model.named_parameters(remove_duplicate=False))
 
     def destination(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        if "rotary_emb.inv_freq" in name or (model.tied and name == "lm_head.weight"):
+        if _not_loaded(name, model.tied):
             return None
         target, shard = _target(name, model.stacked_params)
         param = params.get(target)
