@@ -67,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         pause_collector()  # until the engine is up: see rvllm.startup
     try:
         if args.command == "serve":
+            from rvllm.server.args import start_engine_process
+
+            started = start_engine_process(args)  # first: it loads while the server starts
             from rvllm.server.app import run_server
 
-            run_server(args)
+            run_server(args, started)
             return 0
         if args.command == "generate":
             return _generate(args)

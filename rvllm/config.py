@@ -265,6 +265,10 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs for decode
     cuda_graph_sizes: str | None = None  # "1,2,4,8,..." (default: 1, 2, 4, 8, every 8)
     cpu_linear_backend: str = "auto"  # auto | onednn | torch (float32 linear layers on CPU)
+    # Pack the float32 linear weights for oneDNN after start-up, between (and a layer per)
+    # steps, instead of before the engine is up: `rvllm serve` answers sooner (see
+    # LLMEngine.idle_work). Off for LLM(...) and the benchmarks, which want them packed.
+    defer_weight_packing: bool = False
     quantization: str | None = None  # int8: int8 weights, dynamic int8 activations (CPU)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"

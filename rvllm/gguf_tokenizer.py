@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from rvllm.models.gguf_loader import GGUFFile, open_gguf
+from rvllm.models.gguf_file import GGUFFile, open_gguf
 
 if TYPE_CHECKING:
     from rvllm.tokenizer import Tokenizer

@@ -19,8 +19,6 @@ from typing import Any
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from rvllm.chat_template import render_chat_template
-
 logger = logging.getLogger(__name__)
 
 # transformers writes this as model_max_length when a model sets none.
@@ -195,6 +193,8 @@ class Tokenizer:
             ("unk_token", self.unk_token), ("pad_token", self.pad_token)) if value is not None}
         variables |= self._extra_template_tokens
         variables |= kwargs
+        from rvllm.chat_template import render_chat_template  # jinja2: only where chats render
+
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools,
                                     variables=variables)
@@ -320,6 +320,25 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         self._chunks.append(delta)
         return delta
+
+
+def load_tokenizer(model_path: str, gguf_file: str | None, tokenizer: str | None = None,
+                   chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer a model is served with: the one at ``tokenizer`` (a directory) when
+    given, else the GGUF file's own, else the model directory's; its chat template replaced
+    by ``chat_template`` (a file, or the template itself) when given. Needs no torch, so the
+    server's front process loads it while the engine process loads the model."""
+    if tokenizer is None and gguf_file is not None:
+        from rvllm.gguf_tokenizer import tokenizer_from_gguf
+
+        loaded = tokenizer_from_gguf(gguf_file)
+    else:
+        loaded = Tokenizer.from_pretrained(tokenizer or model_path)
+    if chat_template is not None:
+        path = Path(chat_template)
+        loaded.chat_template = (path.read_text(encoding="utf-8") if path.is_file()
+                                else chat_template)
+    return loaded
 
 
 def _token_id(backend: BackendTokenizer, token: str | None) -> int | None:

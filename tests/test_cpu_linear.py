@@ -17,6 +17,7 @@ from rvllm.layers.cpu_linear import (
     onednn_available,
     prepare_linear_weights,
     quantize_int8,
+    reorder_pending,
 )
 from rvllm.layers.embedding import ParallelLMHead
 from rvllm.layers.linear import (
@@ -177,6 +178,34 @@ def test_packing_left_running_gives_the_same_weights_once_finished(quantization:
     finish_linear_weights(block)  # nothing left: a no-op
     for got, expected in zip(block.outputs(x, h), want):
         assert torch.equal(got, expected)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_deferred_reorders_compute_the_same_before_during_and_after(rows: int) -> None:
+    """``defer_reorders`` (a server's start): layers use their plain weight until
+    ``reorder_pending`` packs them, a few at a time; the outputs stay F.linear's all along,
+    and once every layer is packed the model is what packing in place gives."""
+    x, h = inputs(rows)
+    block = Block()
+    expected = block.references(x, h, lambda w: w.clone())
+    packed = Block()
+    prepare_linear_weights(packed, "auto")
+    assert prepare_linear_weights(block, "auto", defer_reorders=True) == "onednn"
+    assert len(block.pending_reorders) == 5
+    assert block.col.packed_weight is None and block.col.weight.numel() > 0
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert reorder_pending(block, limit=2)  # two done, three left
+    assert len(block.pending_reorders) == 3
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not reorder_pending(block, seconds=60.0)  # the rest
+    assert "pending_reorders" not in block.__dict__ and not reorder_pending(block)
+    for got, want in zip(block.outputs(x, h), packed.outputs(x, h)):
+        assert torch.equal(got, want)
+    assert block.col.weight.numel() == 0  # released once packed
+    assert block.lm_head.weight.numel() == packed.lm_head.weight.numel()
 
 
 def test_tied_lm_head_keeps_the_embedding_weight() -> None:

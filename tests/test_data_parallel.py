@@ -20,6 +20,7 @@ from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStrea
 from rvllm.engine.data_parallel import DataParallelEngine
 from rvllm.engine.process_engine import ProcessEngine
 from rvllm.outputs import RequestOutput
+from rvllm.tokenizer import Tokenizer
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Long enough that a replica killed after the first token is still generating.
@@ -228,3 +229,36 @@ def test_bad_model_path_fails_fast_with_the_childs_error(tmp_path: Path) -> None
     with pytest.raises(FileNotFoundError, match="does not exist"):
         DataParallelEngine.from_engine_args(EngineArgs(model=str(tmp_path / "missing")), 2)
     assert time.monotonic() - start < 30
+
+
+def test_tokenizer_loaded_while_the_child_starts_is_the_models(llama_dir: Path) -> None:
+    """The server loads its tokenizer while the engine process loads the model."""
+    engine = ProcessEngine(EngineArgs(model=str(llama_dir)))
+    try:
+        engine.load_tokenizer()
+        engine.wait_ready()
+        text = "The quick brown fox"
+        assert engine.tokenizer.encode(text) == Tokenizer.from_pretrained(llama_dir).encode(text)
+    finally:
+        engine.shutdown()
+
+
+def test_early_tokenizer_failure_still_reports_the_childs_error(tmp_path: Path) -> None:
+    """Both fail on a missing model; the child's error (naming the model path) wins."""
+    engine = ProcessEngine(EngineArgs(model=str(tmp_path / "missing")))
+    engine.load_tokenizer()
+    with pytest.raises(FileNotFoundError, match="Model path"):
+        engine.wait_ready()
+    assert not engine.process.is_alive()
+
+
+def test_tokenizer_failure_of_the_parent_alone_is_raised(llama_dir: Path, tmp_path: Path
+                                                         ) -> None:
+    """A chat template file the parent cannot read fails start-up after the child is up,
+    and the child is stopped."""
+    engine = ProcessEngine(EngineArgs(model=str(llama_dir), skip_tokenizer_init=True))
+    engine.args = EngineArgs(model=str(llama_dir), tokenizer=str(tmp_path / "nowhere"))
+    engine.load_tokenizer()
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        engine.wait_ready()
+    assert not engine.process.is_alive()

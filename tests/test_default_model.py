@@ -99,3 +99,13 @@ def test_missing_model_file_gives_a_cli_error(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "x.gguf" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_with_a_missing_model_gives_a_cli_error(tmp_path: Path) -> None:
+    """The engine process fails to start: the server says why and exits, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rvllm.cli", "serve", "--model", str(tmp_path / "x.gguf"),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "x.gguf" in proc.stderr and "Traceback" not in proc.stderr

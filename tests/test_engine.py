@@ -307,3 +307,19 @@ def test_swap_preemption_matches_transformers(model_dirs: dict[str, Path], arch:
 def test_swap_needs_swap_space(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="num-cpu-blocks"):
         LLM(str(llama_dir), preemption_mode="swap")
+
+
+def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
+    """What ``rvllm serve``'s engine process does: the linear weights are packed after
+    start-up, a layer per batch step and the rest when idle. Tokens stay transformers'
+    before, during and after."""
+    llm = LLM(str(llama_dir), defer_weight_packing=True)
+    engine = llm.engine
+    if not engine.has_idle_work:
+        pytest.skip("no oneDNN packing on this build")
+    left = len(engine.model.pending_reorders)
+    assert greedy(llm, make_prompts()) == reference(llama_dir)
+    assert 0 < len(engine.model.pending_reorders) < left  # the prefill steps packed some
+    engine.idle_work(seconds=60.0)
+    assert not engine.has_idle_work
+    assert greedy(llm, make_prompts()) == reference(llama_dir)

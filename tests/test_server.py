@@ -33,6 +33,32 @@ CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name a capital city."}]
 
 
+def _mapped_files(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_the_engine_has_a_process_of_its_own_and_the_server_never_imports_torch(server):
+    """``rvllm serve`` loads the model in a child process while the server's own process
+    imports the web stack: the server process must stay free of torch (its import is most
+    of the start-up), and the child holds the model."""
+    children = open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split()
+    engines = [int(c) for c in children if "libtorch" in _mapped_files(int(c))]
+    assert len(engines) == 1
+    assert "libtorch" not in _mapped_files(server.proc.pid)
+
+
+def test_disable_frontend_multiprocessing_keeps_the_engine_in_the_server(llama_dir):
+    srv = ServerProcess(llama_dir, "--disable-frontend-multiprocessing", "--num-gpu-blocks", "64")
+    try:
+        assert "libtorch" in _mapped_files(srv.proc.pid)
+        r = httpx.post(f"{srv.url}/v1/completions",
+                       json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        srv.stop()
+
+
 def test_completion_returns_text_and_exact_usage(server, client):
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
                                   temperature=0, extra_body={"ignore_eos": True})

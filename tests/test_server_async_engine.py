@@ -178,3 +178,21 @@ def test_shutdown_ends_streams_and_refuses_new_requests(llama_dir):
 
     asyncio.run(run())
     assert not eng.is_running
+
+
+def test_idle_loop_finishes_the_deferred_weight_packing(llama_dir):
+    """With nothing to step, the loop packs the weights start-up left (and still serves)."""
+    engine = AsyncEngine(LLMEngine(EngineArgs(model=str(llama_dir), defer_weight_packing=True)))
+    try:
+        if engine.engine.model.linear_backend != "onednn":
+            pytest.skip("no oneDNN packing on this build")
+        deadline = time.monotonic() + 30
+        while engine.engine.has_idle_work and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.engine.has_idle_work
+        assert "pending_reorders" not in engine.engine.model.__dict__
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = asyncio.run(final_output(engine, [5, 6, 7], params, "after"))
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()

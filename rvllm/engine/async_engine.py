@@ -16,12 +16,16 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rvllm.config import EngineArgs
-from rvllm.engine.llm_engine import LLMEngine, PromptType
+from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch loads with it; the server's front process runs without
+    from rvllm.engine.llm_engine import LLMEngine
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineSnapshot", "PromptType", "RequestStream"]
 
@@ -174,6 +178,8 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncEngine:
+        from rvllm.engine.llm_engine import LLMEngine
+
         return cls(LLMEngine(args))
 
     # ------------------------------------------------------------ for callers
@@ -272,9 +278,16 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._new or self._aborts or self._stopping
-                           or self.engine.has_unfinished_requests()):
+                idle = not (self._new or self._aborts or self._stopping
+                            or self.engine.has_unfinished_requests())
+                while idle and not self.engine.has_idle_work:
                     self._cond.wait()
+                    idle = not (self._new or self._aborts or self._stopping
+                                or self.engine.has_unfinished_requests())
+            if idle:
+                self.engine.idle_work()  # nothing to step: a slice of deferred start-up work
+                continue
+            with self._cond:
                 if self._stopping:
                     return
                 new, self._new = self._new, []

@@ -19,8 +19,6 @@ import os
 import threading
 import time
 
-import torch
-
 from rvllm.config import EngineArgs, resolve_device
 from rvllm.engine.async_engine import (
     AsyncEngine,
@@ -29,8 +27,8 @@ from rvllm.engine.async_engine import (
     RequestStream,
     StepObserver,
 )
-from rvllm.engine.llm_engine import PromptType
 from rvllm.engine.process_engine import ProcessEngine
+from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
@@ -68,6 +66,8 @@ class DataParallelEngine:
         start-up error (after stopping the others)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
+        import torch
+
         device = resolve_device(args.device)
         if device.type == "cuda" and data_parallel_size > torch.cuda.device_count():
             raise ValueError(f"data_parallel_size={data_parallel_size} needs as many GPUs; "

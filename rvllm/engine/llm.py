@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from rvllm.config import EngineArgs
-from rvllm.engine.llm_engine import LLMEngine, PromptType
+from rvllm.engine.llm_engine import LLMEngine
+from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer

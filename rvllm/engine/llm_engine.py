@@ -26,15 +26,16 @@ from rvllm.engine.sequence import Sequence, SequenceStatus
 from rvllm.engine.stop import check_stop
 from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
-from rvllm.layers.cpu_linear import finish_linear_weights
+from rvllm.inputs import PromptType
+from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
+from rvllm.layers.cpu_linear import finish_linear_weights, reorder_pending
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
-from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("rvllm")
 
-PromptType = str | list[int] | dict[str, Any]
 
 # How long a failed collective waits for a tensor-parallel worker's exit to be reported
 # before the failure is taken for something other than a dead worker.
@@ -54,14 +55,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs)
-
-
-def load_tokenizer(model_config: ModelConfig, tokenizer: str | None) -> Tokenizer:
-    if tokenizer is None and model_config.gguf_file is not None:
-        from rvllm.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(model_config.gguf_file)
-    return Tokenizer.from_pretrained(tokenizer or model_config.path)
 
 
 class LLMEngine:
@@ -112,11 +105,13 @@ class LLMEngine:
             self.model = load_model(self.model_config, self.device,
                                     progress=args.show_progress, load_format=args.load_format,
                                     cpu_linear_backend=args.cpu_linear_backend,
-                                    quantization=args.quantization, wait_packing=False)
+                                    quantization=args.quantization, wait_packing=False,
+                                    defer_reorders=args.defer_weight_packing)
+            self._packing_left = "pending_reorders" in self.model.__dict__
             if not args.skip_tokenizer_init:
-                self.tokenizer = load_tokenizer(self.model_config, args.tokenizer)
-            if args.chat_template is not None and self.tokenizer is not None:
-                self.tokenizer.chat_template = _read_template(args.chat_template)
+                self.tokenizer = load_tokenizer(self.model_config.path,
+                                                self.model_config.gguf_file, args.tokenizer,
+                                                args.chat_template)
             phase = time.perf_counter()
             finish_linear_weights(self.model)  # before anything runs the model
             self.startup_phases["packing_wait"] = time.perf_counter() - phase
@@ -343,6 +338,18 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
 
+    @property
+    def has_idle_work(self) -> bool:
+        """Whether ``idle_work`` has something to do (``defer_weight_packing``)."""
+        return self._packing_left
+
+    def idle_work(self, seconds: float = 0.02) -> None:
+        """About ``seconds`` of the work start-up left for later (the linear weights'
+        packing, ``EngineArgs.defer_weight_packing``), for a caller with no request to
+        step. Under load ``step`` does it a layer at a time instead."""
+        if self._packing_left:
+            self._packing_left = reorder_pending(self.model, seconds=seconds)
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
         sched = self.scheduler.schedule()
@@ -356,6 +363,10 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
+        if self._packing_left and sched.num_batched_tokens > DECODER_STEP_MAX_ROWS:
+            # Deferred packing, under load: a layer a step, on steps of the packed GEMMs
+            # (fewer rows read the row-major weights and never wait for the packing).
+            self._packing_left = reorder_pending(self.model, limit=1)
         now = time.time()
         moved: dict[str, Request] = {}
         for out in step_outputs:
@@ -600,12 +611,3 @@ def _as_list(value: Any) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _read_template(value: str) -> str:
-    from pathlib import Path
-
-    path = Path(value)
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    return value

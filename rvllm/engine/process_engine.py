@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from rvllm.config import EngineArgs, ModelConfig
+from rvllm.config import EngineArgs
 from rvllm.engine.async_engine import (
     _ACCEPTED,
     _END,
@@ -42,10 +42,11 @@ from rvllm.engine.async_engine import (
     StepObserver,
     _Outbox,
 )
-from rvllm.engine.llm_engine import PromptType
-from rvllm.engine.process_wire import OutputDecoder, Reply, child_main
+from rvllm.engine.process_start import StartedChild, start_engine_child
+from rvllm.engine.process_wire import EngineInfo, OutputDecoder, Reply
+from rvllm.inputs import PromptType
 from rvllm.sampling_params import SamplingParams
-from rvllm.tokenizer import Tokenizer
+from rvllm.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["ProcessEngine"]
 
@@ -70,8 +71,10 @@ class ProcessEngine:
     child's torch threads (a CPU replica's share of the cores).
     """
 
-    def __init__(self, args: EngineArgs, num_threads: int | None = None) -> None:
-        """Start the child; ``wait_ready`` finishes the start-up."""
+    def __init__(self, args: EngineArgs, num_threads: int | None = None,
+                 started: StartedChild | None = None) -> None:
+        """Start the child (or take one ``process_start.start_engine_child`` started for
+        ``args``); ``wait_ready`` finishes the start-up."""
         self.args = args
         self.num_threads = num_threads
         self.step_observers: list[StepObserver] = []
@@ -79,8 +82,10 @@ class ProcessEngine:
         # restarts it) if set, else on_fatal (nothing can bring it back).
         self.on_death: Callable[[ProcessEngine, Exception], None] | None = None
         self.on_fatal: Callable[[Exception], None] | None = None
-        self.model_config: ModelConfig | None = None
+        self.info: EngineInfo | None = None  # set once the child is ready
         self._tokenizer: Tokenizer | None = None
+        self._tokenizer_loaded = False
+        self._tokenizer_error: Exception | None = None
         self._cond = threading.Condition()
         self._adds: list[tuple[str, PromptType, SamplingParams, float]] = []
         self._aborts: list[str] = []
@@ -89,17 +94,10 @@ class ProcessEngine:
         self._dead = False
         self._snapshot: EngineSnapshot | None = None
         self._decoder = OutputDecoder()
-        ctx = multiprocessing.get_context("spawn")
-        child_requests, self._requests = ctx.Pipe(duplex=False)
-        self._outputs, child_outputs = ctx.Pipe(duplex=False)
-        # Not a daemon: a daemon may not start the tensor-parallel workers it may need.
-        self.process = ctx.Process(
-            target=child_main, name="rvllm-engine",
-            args=(args, child_requests, child_outputs, num_threads,
-                  logging.getLogger("rvllm").getEffectiveLevel()))
-        self.process.start()
-        child_requests.close()  # so the pipes report EOF when the child dies
-        child_outputs.close()
+        if started is None:
+            started = start_engine_child(args, num_threads,
+                                         logging.getLogger("rvllm").getEffectiveLevel())
+        self.process, self._requests, self._outputs = started
         _live.add(self)
         self._sender = threading.Thread(target=self._send_loop, name="rvllm-engine-send",
                                         daemon=True)
@@ -131,14 +129,37 @@ class ProcessEngine:
         if kind == "error":
             self._discard()
             raise payload
-        self.model_config, self._snapshot = payload
+        self.info, self._snapshot = payload
         try:
-            self._tokenizer = _parent_tokenizer(self.args, self.model_config)
+            self.load_tokenizer()
+            if self._tokenizer_error is not None:
+                raise self._tokenizer_error
         except BaseException:
             self._discard()
             raise
         self._sender.start()
         self._reader.start()
+
+    def load_tokenizer(self) -> None:
+        """Load the server's own tokenizer (prompts, chat templates; the child has its own).
+        It needs no torch, so a caller may load it while the child is still loading the
+        model. An error is kept for ``wait_ready`` to raise once the child has answered: a
+        child's start-up error (a model path that does not exist, say) names the cause
+        better, and comes first."""
+        if self._tokenizer_loaded:
+            return
+        self._tokenizer_loaded = True
+        if self.args.skip_tokenizer_init:
+            return
+        from rvllm.models.default_model import resolve_gguf_path
+
+        try:
+            model = self.args.resolve_model()
+            gguf = resolve_gguf_path(model)
+            self._tokenizer = load_tokenizer(model, None if gguf is None else str(gguf),
+                                             self.args.tokenizer, self.args.chat_template)
+        except Exception as e:
+            self._tokenizer_error = e
 
     # ------------------------------------------------------------ for callers
 
@@ -219,7 +240,7 @@ class ProcessEngine:
             self._sender.join(min(timeout, 5.0))
         if not already:
             self._requests.close()  # the child sees EOF and exits
-        if self.model_config is None:
+        if self.info is None:
             self.process.kill()  # still starting: it holds no request, do not wait for it
         self.process.join(timeout)
         if self.process.is_alive():
@@ -235,9 +256,9 @@ class ProcessEngine:
     # ------------------------------------------------------------ threads
 
     @property
-    def _config(self) -> ModelConfig:
-        assert self.model_config is not None, "wait_ready() first"
-        return self.model_config
+    def _config(self) -> EngineInfo:
+        assert self.info is not None, "wait_ready() first"
+        return self.info
 
     def _send_loop(self) -> None:
         while True:
@@ -375,15 +396,3 @@ def _exit_reason(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-def _parent_tokenizer(args: EngineArgs, config: ModelConfig) -> Tokenizer | None:
-    """The server's own copy (encoding prompts, chat templates); the child has one too."""
-    from rvllm.engine.llm_engine import _read_template, load_tokenizer
-
-    if args.skip_tokenizer_init:
-        return None
-    tokenizer = load_tokenizer(config, args.tokenizer)
-    if args.chat_template is not None:
-        tokenizer.chat_template = _read_template(args.chat_template)
-    return tokenizer

@@ -13,16 +13,27 @@ import pickle
 import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rvllm.config import EngineArgs, resolve_device
 from rvllm.engine.async_engine import EngineSnapshot
-from rvllm.engine.llm_engine import LLMEngine
 from rvllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from rvllm.startup import pause_collector, resume_collector
+
+if TYPE_CHECKING:  # torch loads with it: only the engine process imports it
+    from rvllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("rvllm")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the parent learns of the child's model when it is ready. No torch objects (a
+    ModelConfig holds a torch dtype): the server's front process never imports torch."""
+
+    path: str
+    max_model_len: int
+    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -175,6 +186,10 @@ def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
     up (EOFError) or after a fatal step error."""
     encoder = OutputEncoder()
     while True:
+        if not engine.has_unfinished_requests() and engine.has_idle_work:
+            if not requests.poll():
+                engine.idle_work()  # nothing to step: a slice of deferred start-up work
+                continue
         messages = [] if engine.has_unfinished_requests() else [requests.recv()]
         while requests.poll():
             messages.append(requests.recv())
@@ -242,7 +257,12 @@ def child_main(args: EngineArgs, requests: Connection, outputs: Connection,
                num_threads: int | None, log_level: int) -> None:
     """Entry point of the engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    pause_collector()  # until the engine is up, as in the CLI's commands: rvllm.startup
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from rvllm.engine.llm_engine import LLMEngine
+
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
@@ -258,7 +278,10 @@ def child_main(args: EngineArgs, requests: Connection, outputs: Connection,
             pass  # the parent is gone
         return
     try:
-        outputs.send(("ready", (engine.model_config, engine_snapshot(engine))))
+        resume_collector()
+        config = engine.model_config
+        info = EngineInfo(config.path, config.max_model_len, config.vocab_size)
+        outputs.send(("ready", (info, engine_snapshot(engine))))
         serve(engine, requests, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone or has hung up: nobody to serve

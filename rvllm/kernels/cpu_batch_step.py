@@ -150,6 +150,8 @@ def _gemm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     kernels around it apply those)."""
     if module.linear_kind == "int8":
         return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
+    if module.packed_weight is None:  # its oneDNN reorder is still pending
+        return torch.nn.functional.linear(x, module.weight)
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
 
 

@@ -29,6 +29,7 @@ float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``.
 
 from __future__ import annotations
 
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -99,6 +100,8 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
 
         y = gemv(x2, row_major)
     elif kind == "onednn":
+        if module.packed_weight is None:  # its reorder is still pending
+            return F.linear(x, module.weight, bias)
         y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
     elif kind == "fp16":
@@ -132,7 +135,8 @@ class _Packing:
 
 
 def prepare_linear_weights(model: nn.Module, backend: str = "auto",
-                           quantization: str | None = None, wait: bool = True) -> str:
+                           quantization: str | None = None, wait: bool = True,
+                           defer_reorders: bool = False) -> str:
     """Repack (or quantize) every eligible linear weight; returns the path that runs, for
     the logs: "onednn", "int8" or "torch".
 
@@ -140,7 +144,15 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     it goes on after this returns, so the caller's other start-up work overlaps it, and
     :func:`finish_linear_weights` must be called before the model's first forward (until
     then a layer has no packed weight: a forward that needs one fails, it does not
-    compute anything else)."""
+    compute anything else).
+
+    With ``defer_reorders`` oneDNN's reorders (float32) are left for later:
+    :func:`reorder_pending` does them a few at a time, when the caller has nothing else
+    to do (a server between requests). Until its turn a layer computes with its plain
+    weight (``F.linear``: the same numbers up to summation order, 1.3-1.7x slower at
+    9-32 rows on this class of CPU, as fast at 128 and more), and one-row inputs read
+    the row-major copy either way. They hold the GIL and touch fresh memory: 0.25-0.5 s
+    of a server's start for SmolLM2."""
     from rvllm.layers.linear import LINEAR_TYPES
 
     if backend not in CPU_LINEAR_BACKENDS:
@@ -185,15 +197,22 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         from rvllm.kernels.cpu_gemv import row_major
         from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
     packs = []  # (module, the fbgemm call that packs its weight), run below
+    deferred = []  # modules whose oneDNN reorder waits for reorder_pending
     for m in on_cpu:
         w = m.weight.detach()
         if kind == "onednn":
-            # oneDNN's reorder holds the GIL: on another thread it would only take turns
-            # with this one, so it runs here.
-            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, None)
             if keep_rows:
                 m.row_major_weight = row_major(w)
-        elif kind == "fp16":
+            m.linear_kind = kind
+            if defer_reorders:
+                m.packed_weight = None  # apply_linear uses the plain weight meanwhile
+                deferred.append(m)
+            else:
+                # oneDNN's reorder holds the GIL: on another thread it would only take
+                # turns with this one, so it runs here.
+                _reorder(m)
+            continue
+        if kind == "fp16":
             packs.append((m, partial(torch.ops.quantized.linear_prepack_fp16, w.float(), None)))
         else:
             q, scale = quantize(w)
@@ -206,6 +225,8 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             # Nothing reads the plain copy any more (a pending pack holds its own
             # reference until it is done): give its memory back.
             m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+    if deferred:
+        model.pending_reorders = deferred
     if packs:
         # fbgemm packs a weight on one thread, outside the GIL: a thread per core takes
         # the int8 packing of SmolLM2's weights from 0.6-1.05 s to 0.4-0.55 s.
@@ -215,6 +236,34 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         else:
             model.pending_packing = packing
     return kind
+
+
+def _reorder(m: nn.Module) -> None:
+    """Pack ``m``'s float32 weight for oneDNN and let the plain copy go (unless something
+    else reads it; the row-major copy for one-row inputs keeps its own reference)."""
+    m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+    if not getattr(m, "keeps_weight", False):
+        m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+
+
+def reorder_pending(model: nn.Module, limit: int | None = None,
+                    seconds: float | None = None) -> bool:
+    """Do the oneDNN reorders ``prepare_linear_weights(..., defer_reorders=True)`` left:
+    at most ``limit`` of them, and no more once ``seconds`` have passed (at least one
+    either way); all of them when neither is given. Returns whether any are left."""
+    pending = model.__dict__.get("pending_reorders")
+    if not pending:
+        return False
+    start, done = time.perf_counter(), 0
+    while pending:
+        _reorder(pending.pop())
+        done += 1
+        if (limit is not None and done >= limit) or (
+                seconds is not None and time.perf_counter() - start >= seconds):
+            break
+    if not pending:
+        del model.pending_reorders
+    return bool(pending)
 
 
 def finish_linear_weights(model: nn.Module) -> None:

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from rvllm.models.gguf_file import ggml_type_name, tensor_nbytes
+
 # Big tensors are decoded in slices of this many blocks so the temporaries stay small.
 _CHUNK_BLOCKS = 1 << 16
 
@@ -118,14 +120,6 @@ _DECODERS: dict[GGMLQuantizationType, _Decoder] = {
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in _DECODERS)
 
 
-def ggml_type_name(ggml_type: int) -> str:
-    """The ggml name of a tensor type id (`Q4_K`), or `type <id>` for an unknown id."""
-    try:
-        return GGMLQuantizationType(ggml_type).name
-    except ValueError:
-        return f"type {ggml_type}"
-
-
 def check_supported(ggml_type: int) -> None:
     """Raise `ValueError` unless `dequantize` can decode `ggml_type`."""
     if ggml_type not in _DECODERS:
@@ -133,23 +127,6 @@ def check_supported(ggml_type: int) -> None:
             f"GGUF tensor type {ggml_type_name(ggml_type)} is not supported; "
             f"supported: {', '.join(SUPPORTED_TYPES)}"
         )
-
-
-def tensor_nbytes(ggml_type: int, num_elements: int) -> int:
-    """Bytes that `num_elements` weights of `ggml_type` take in a GGUF file.
-
-    Raises `ValueError` for an unknown type or a count that is not whole blocks.
-    """
-    # IntEnum keys hash as ints: plain ids index these tables without an enum lookup.
-    if ggml_type not in GGML_QUANT_SIZES:
-        raise ValueError(f"unknown GGUF tensor type id {ggml_type}")
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    if num_elements % block_size:
-        raise ValueError(
-            f"{num_elements} elements is not a whole number of "
-            f"{ggml_type_name(ggml_type)} blocks of {block_size}"
-        )
-    return num_elements // block_size * type_size
 
 
 # Q8_0, Q4_0 and Q4_1 also decode in one numba pass (kernels.cpu_dequant), bit-identical

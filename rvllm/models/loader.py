@@ -68,12 +68,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_model(config: ModelConfig, device: torch.device, progress: bool = False,
                load_format: str = "auto", cpu_linear_backend: str = "auto",
-               quantization: str | None = None, wait_packing: bool = True) -> nn.Module:
+               quantization: str | None = None, wait_packing: bool = True,
+               defer_reorders: bool = False) -> nn.Module:
     """Instantiate the registered class for ``config``, load its weights, and (on the CPU)
     repack or quantize the linear weights; ``model.linear_backend`` names the path. With
     ``wait_packing=False`` fbgemm's packing (``--quantization``) goes on on threads of its
     own after this returns: ``cpu_linear.finish_linear_weights(model)`` before the first
-    forward."""
+    forward. ``defer_reorders``: see ``cpu_linear.prepare_linear_weights``."""
     start = time.perf_counter()
     cls = get_model_class(config.architecture)
     torch.set_default_dtype(config.dtype)
@@ -84,7 +85,8 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         torch.set_default_dtype(torch.float32)
     if load_format == "dummy":
         init_dummy_weights(model)
-        return _finish(model, start, cpu_linear_backend, quantization, wait_packing)
+        return _finish(model, start, cpu_linear_backend, quantization, wait_packing,
+                       defer_reorders)
     if config.gguf_file is not None:
         from rvllm.models.base import checkpoint_destinations
         from rvllm.models.gguf_loader import iter_gguf_tensors
@@ -101,13 +103,15 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         raise ValueError(
             f"the checkpoint in {config.path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
-    return _finish(model, start, cpu_linear_backend, quantization, wait_packing)
+    return _finish(model, start, cpu_linear_backend, quantization, wait_packing,
+                       defer_reorders)
 
 
 def _finish(model: nn.Module, start: float, cpu_linear_backend: str,
-            quantization: str | None, wait_packing: bool) -> nn.Module:
+            quantization: str | None, wait_packing: bool, defer_reorders: bool) -> nn.Module:
     model.eval()
     model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization,
-                                                  wait=wait_packing)
+                                                  wait=wait_packing,
+                                                  defer_reorders=defer_reorders)
     model.load_seconds = time.perf_counter() - start
     return model

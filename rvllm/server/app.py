@@ -23,10 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rvllm
-from rvllm.cli_args import engine_args_from_namespace
 from rvllm.engine.async_engine import AsyncEngine
 from rvllm.engine.data_parallel import DataParallelEngine
-from rvllm.server.args import add_serve_args
+from rvllm.engine.process_engine import ProcessEngine
+from rvllm.server.args import add_serve_args, serve_engine_args, start_engine_process
 from rvllm.server.errors import APIError, error_body, install_error_handlers
 from rvllm.server.metrics import ServerMetrics
 from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -137,17 +137,25 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None) 
     return app
 
 
-def run_server(ns: argparse.Namespace) -> None:
-    """Load the engine, then serve until SIGINT/SIGTERM."""
+def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> None:
+    """Load the engine, then serve until SIGINT/SIGTERM. ``started``: the engine process
+    ``start_engine_process`` started, still loading its model."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = engine_args_from_namespace(ns)
-    engine: AsyncEngine | DataParallelEngine
-    if ns.data_parallel_size > 1:
+    args = serve_engine_args(ns)
+    engine: AsyncEngine | DataParallelEngine | ProcessEngine
+    if started is not None:
+        try:
+            started.load_tokenizer()  # while the child loads the model
+            started.wait_ready()
+        except BaseException:
+            started.shutdown(timeout=5.0)
+            raise
+        engine = started
+    elif ns.data_parallel_size > 1:
         engine = DataParallelEngine.from_engine_args(args, ns.data_parallel_size)
-        replicas = engine.replicas
     else:
         engine = AsyncEngine.from_engine_args(args)
-        replicas = [engine]
+    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     resume_collector()
     for replica in replicas:
         # A dead worker ends the server (its requests were already failed).
@@ -172,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rvllm serve",
                                      description="OpenAI-compatible server for an rvllm model.")
     add_serve_args(parser)
-    run_server(parser.parse_args(argv))
+    ns = parser.parse_args(argv)
+    run_server(ns, start_engine_process(ns))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,51 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind this server (requests go to the least loaded)")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="run the engine in the server's process (by default it has a "
+                        "process of its own, which loads the model while the server starts)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     add_engine_args(parser)
+
+
+def serve_engine_args(ns: argparse.Namespace):  # noqa: ANN201 - EngineArgs
+    """The engine's arguments for ``rvllm serve``: the flags, and, for an engine in a
+    process of its own, the weights' packing left for its idle time, so the server
+    answers sooner after launch. (An engine in the server's process packs them before it
+    is up: packing later would hold the GIL while the server starts.)"""
+    from rvllm.cli_args import engine_args_from_namespace
+
+    args = engine_args_from_namespace(ns)
+    args.defer_weight_packing = not ns.disable_frontend_multiprocessing
+    return args
+
+
+def start_engine_process(ns: argparse.Namespace):  # noqa: ANN201 - ProcessEngine | None
+    """Start ``rvllm serve``'s engine process, unless the engine runs in the server's
+    process (``--disable-frontend-multiprocessing``) or as replicas (``-dp`` > 1).
+
+    Called before the server imports anything heavy: the child imports torch and loads
+    the model on one core while this process imports the web stack and loads its
+    tokenizer on another (neither needs the other), so launch to ``/health`` is the
+    longer of the two instead of their sum. Returns without waiting for the model."""
+    if ns.disable_frontend_multiprocessing or ns.data_parallel_size != 1:
+        return None
+    import logging
+    import multiprocessing
+    import sys
+    import threading
+
+    from rvllm.engine.process_start import start_engine_child
+
+    args = serve_engine_args(ns)
+    # Forking is safe this early (no torch, no CUDA, no thread but this one) and spares
+    # the child a fresh interpreter's start; spawn otherwise.
+    fork = ("fork" in multiprocessing.get_all_start_methods() and "torch" not in sys.modules
+            and threading.active_count() == 1)
+    started = start_engine_child(args, None, logging.INFO, "fork" if fork else "spawn")
+    from rvllm.engine.process_engine import ProcessEngine
+
+    return ProcessEngine(args, started=started)
