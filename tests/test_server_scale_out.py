@@ -39,26 +39,36 @@ def test_data_parallel_server_matches_one_engine(llama_dir: Path) -> None:
         server.stop()
 
 
-def _spawned_children(pid: int) -> list[int]:
-    children = []
+def _spawned_descendants(pid: int, children_only: bool = False) -> list[int]:
+    """Processes started with multiprocessing's spawn below ``pid`` (its children only,
+    with ``children_only``): data-parallel replicas are the server's children; the
+    tensor-parallel workers are started by its engine process, a child of the server."""
+    parents, cmdlines = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if int(stat[1]) == pid and b"spawn_main" in cmdline:
-            children.append(int(entry.name))
-    return children
+        parents[int(entry.name)] = int(stat[1])
+
+    def below(p: int) -> bool:
+        while p in parents and p != pid:
+            p = parents[p]
+        return p == pid
+
+    return [p for p, line in cmdlines.items()
+            if p != pid and b"spawn_main" in line
+            and (parents.get(p) == pid if children_only else below(p))]
 
 
 def test_dead_tensor_parallel_worker_fails_requests_and_exits(llama_dir: Path) -> None:
     server = ServerProcess(llama_dir, "--tensor-parallel-size", "2",
                            "--served-model-name", "m")
     try:
-        workers = _spawned_children(server.proc.pid)
+        workers = _spawned_descendants(server.proc.pid)
         assert workers, "no tensor-parallel worker found"
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True,
                 "stream": True}
@@ -80,7 +90,7 @@ def test_dead_tensor_parallel_worker_fails_requests_and_exits(llama_dir: Path) -
 def test_killed_data_parallel_replica_fails_its_stream_and_comes_back(llama_dir: Path) -> None:
     server = ServerProcess(llama_dir, "--data-parallel-size", "2", "--served-model-name", "m")
     try:
-        replicas = _spawned_children(server.proc.pid)
+        replicas = _spawned_descendants(server.proc.pid, children_only=True)
         assert len(replicas) == 2, replicas
         blocks = scrape(server.url)["vllm:num_gpu_blocks"]
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True,
@@ -102,7 +112,7 @@ def test_killed_data_parallel_replica_fails_its_stream_and_comes_back(llama_dir:
         # A dead replica has no KV cache; the pool is whole again once it is back.
         assert scrape(server.url)["vllm:num_gpu_blocks"] == blocks / 2
         assert wait_for(lambda: scrape(server.url)["vllm:num_gpu_blocks"] == blocks, 60)
-        assert replicas[0] not in _spawned_children(server.proc.pid)
+        assert replicas[0] not in _spawned_descendants(server.proc.pid, children_only=True)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             assert list(pool.map(lambda _: _complete(server.url, [5, 6, 7]), range(2))) \
                 == [expected, expected]

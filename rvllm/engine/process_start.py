@@ -24,16 +24,22 @@ def start_engine_child(args: Any, num_threads: int | None, log_level: int,
     ctx = multiprocessing.get_context(start_method)
     child_requests, requests = ctx.Pipe(duplex=False)
     outputs, child_outputs = ctx.Pipe(duplex=False)
+    # A forked child holds copies of the parent's ends too: it closes them first, or it
+    # would never see EOF when the parent hangs up. (A spawned one gets only its own.)
+    ours = (requests, outputs) if start_method == "fork" else ()
     # Not a daemon: a daemon may not start the tensor-parallel workers it may need.
     process = ctx.Process(target=_child_entry, name="rvllm-engine",
-                          args=(args, child_requests, child_outputs, num_threads, log_level))
+                          args=(ours, args, child_requests, child_outputs, num_threads,
+                                log_level))
     process.start()
     child_requests.close()  # so the pipes report EOF when the child dies
     child_outputs.close()
     return process, requests, outputs
 
 
-def _child_entry(*args: Any) -> None:
+def _child_entry(parent_ends: tuple[Connection, ...], *args: Any) -> None:
+    for end in parent_ends:
+        end.close()
     from rvllm.engine.process_wire import child_main
 
     child_main(*args)
