@@ -92,20 +92,14 @@ def test_chat_cli_keeps_the_conversation(tmp_path: Path) -> None:
     assert len([line for line in proc.stdout.splitlines() if line.strip()]) >= 2
 
 
-def test_missing_model_file_gives_a_cli_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0"]],
+                         ids=["generate", "serve"])
+def test_missing_model_file_gives_a_cli_error(tmp_path: Path, command: list[str]) -> None:
+    """No traceback, a message naming the file, exit status 2; for ``serve`` the error
+    comes from its engine process, which fails to start."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rvllm.cli", "generate", "--model", str(tmp_path / "x.gguf"),
-         "--prompt", "hi"], capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "x.gguf" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_serve_with_a_missing_model_gives_a_cli_error(tmp_path: Path) -> None:
-    """The engine process fails to start: the server says why and exits, no traceback."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "rvllm.cli", "serve", "--model", str(tmp_path / "x.gguf"),
-         "--port", "0"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "rvllm.cli", command[0], "--model", str(tmp_path / "x.gguf"),
+         *command[1:]], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     assert "x.gguf" in proc.stderr and "Traceback" not in proc.stderr
