@@ -13,7 +13,8 @@
 # direct benchmark), SERVE_PEERS (engines of the serving race), WORKLOADS (default
 # "smollm2 random-llama"), BENCH_N, INPUT_LEN, OUTPUT_LEN, SERVE_PROMPTS, SERVE_CONCURRENCY,
 # SERVE_RATE, SERVE_INPUT_LEN, SERVE_OUTPUT_LEN, SERVE_RANGE_RATIO, SERVE_OUTPUT_RANGE_RATIO,
-# THREADS, RESULTS (the results folder, default benchmarks/results). Engines: rvllm,
+# THREADS, RESULTS (the results folder, default benchmarks/results), LLAMA_BUILD (a
+# llama.cpp build folder holding bin/llama-server; default PEERS_DIR/llama-build). Engines: rvllm,
 # rvllm-fp16 and rvllm-int8 (--quantization), rvllm-bf16kv and rvllm-int8-bf16kv
 # (--kv-cache-dtype bfloat16, without and with int8), transformers,
 # llama-cpp (the workload's GGUF: SmolLM2's Q4_1, the random Llama's f32), llama-cpp-f16 and
@@ -44,7 +45,7 @@ VENV=$ROOT/.venv
 PY=$VENV/bin/python
 SDIST=$PEERS_DIR/sdist/llama_cpp_python-$LLAMA_CPP_VERSION
 LLAMA_SRC=$SDIST/vendor/llama.cpp
-LLAMA_BUILD=$PEERS_DIR/llama-build
+LLAMA_BUILD=${LLAMA_BUILD:-$PEERS_DIR/llama-build}
 MODELS=$PEERS_DIR/models
 export PYTHONPATH=$ROOT  # the peers' venvs import rvllm.bench from the tree
 
