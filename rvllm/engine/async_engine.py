@@ -278,12 +278,9 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                idle = not (self._new or self._aborts or self._stopping
-                            or self.engine.has_unfinished_requests())
-                while idle and not self.engine.has_idle_work:
+                while not self._has_work() and not self.engine.has_idle_work:
                     self._cond.wait()
-                    idle = not (self._new or self._aborts or self._stopping
-                                or self.engine.has_unfinished_requests())
+                idle = not self._has_work()
             if idle:
                 self.engine.idle_work()  # nothing to step: a slice of deferred start-up work
                 continue
@@ -303,6 +300,11 @@ class AsyncEngine:
                 out.flush()
             if outputs or aborted:
                 self._notify(outputs, aborted)
+
+    def _has_work(self) -> bool:
+        """Something for the loop to take or step (call with ``_cond`` held)."""
+        return bool(self._new or self._aborts or self._stopping
+                    or self.engine.has_unfinished_requests())
 
     def _add(self, item: _NewRequest, out: _Outbox) -> None:
         request_id = item.stream.request_id

@@ -28,7 +28,11 @@ from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
 from rvllm.inputs import PromptType
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
-from rvllm.layers.cpu_linear import finish_linear_weights, reorder_pending
+from rvllm.layers.cpu_linear import (
+    finish_linear_weights,
+    has_pending_reorders,
+    reorder_pending,
+)
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
@@ -107,7 +111,6 @@ class LLMEngine:
                                     cpu_linear_backend=args.cpu_linear_backend,
                                     quantization=args.quantization, wait_packing=False,
                                     defer_reorders=args.defer_weight_packing)
-            self._packing_left = "pending_reorders" in self.model.__dict__
             if not args.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(self.model_config.path,
                                                 self.model_config.gguf_file, args.tokenizer,
@@ -341,14 +344,13 @@ class LLMEngine:
     @property
     def has_idle_work(self) -> bool:
         """Whether ``idle_work`` has something to do (``defer_weight_packing``)."""
-        return self._packing_left
+        return has_pending_reorders(self.model)
 
     def idle_work(self, seconds: float = 0.02) -> None:
         """About ``seconds`` of the work start-up left for later (the linear weights'
         packing, ``EngineArgs.defer_weight_packing``), for a caller with no request to
         step. Under load ``step`` does it a layer at a time instead."""
-        if self._packing_left:
-            self._packing_left = reorder_pending(self.model, seconds=seconds)
+        reorder_pending(self.model, seconds=seconds)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
@@ -363,10 +365,10 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
-        if self._packing_left and sched.num_batched_tokens > DECODER_STEP_MAX_ROWS:
+        if sched.num_batched_tokens > DECODER_STEP_MAX_ROWS:
             # Deferred packing, under load: a layer a step, on steps of the packed GEMMs
             # (fewer rows read the row-major weights and never wait for the packing).
-            self._packing_left = reorder_pending(self.model, limit=1)
+            reorder_pending(self.model, limit=1)
         now = time.time()
         moved: dict[str, Request] = {}
         for out in step_outputs:

@@ -169,15 +169,15 @@ class ProcessEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self._config.max_model_len
+        return self._info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self._config.vocab_size
+        return self._info.vocab_size
 
     @property
     def model_path(self) -> str:
-        return self._config.path
+        return self._info.path
 
     @property
     def pid(self) -> int | None:
@@ -256,7 +256,7 @@ class ProcessEngine:
     # ------------------------------------------------------------ threads
 
     @property
-    def _config(self) -> EngineInfo:
+    def _info(self) -> EngineInfo:
         assert self.info is not None, "wait_ready() first"
         return self.info
 

@@ -246,6 +246,11 @@ def _reorder(m: nn.Module) -> None:
         m.weight.data = torch.empty(0, dtype=m.weight.dtype)
 
 
+def has_pending_reorders(model: nn.Module) -> bool:
+    """Whether ``prepare_linear_weights(..., defer_reorders=True)`` left reorders to do."""
+    return "pending_reorders" in model.__dict__
+
+
 def reorder_pending(model: nn.Module, limit: int | None = None,
                     seconds: float | None = None) -> bool:
     """Do the oneDNN reorders ``prepare_linear_weights(..., defer_reorders=True)`` left:

@@ -141,7 +141,6 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
     """Load the engine, then serve until SIGINT/SIGTERM. ``started``: the engine process
     ``start_engine_process`` started, still loading its model."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = serve_engine_args(ns)
     engine: AsyncEngine | DataParallelEngine | ProcessEngine
     if started is not None:
         try:
@@ -152,9 +151,10 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
             raise
         engine = started
     elif ns.data_parallel_size > 1:
-        engine = DataParallelEngine.from_engine_args(args, ns.data_parallel_size)
+        engine = DataParallelEngine.from_engine_args(serve_engine_args(ns),
+                                                     ns.data_parallel_size)
     else:
-        engine = AsyncEngine.from_engine_args(args)
+        engine = AsyncEngine.from_engine_args(serve_engine_args(ns))
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     resume_collector()
     for replica in replicas:
