@@ -18,4 +18,10 @@ python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smo
 # Byte-compile rvllm once: an editable install is otherwise compiled from source on every
 # start wherever Python may not write bytecode (PYTHONDONTWRITEBYTECODE), 0.2-0.3 s of it.
 python -m compileall -q -j 0 rvllm >/dev/null
-python -c "import rvllm, torch; print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"
+# Compile the CPU kernels into numba's cache (next to their sources) now, not at the first
+# `rvllm serve`: 15-20 s once per machine (the cache is specific to the CPU), a fraction of
+# a second once cached.
+python -c "import rvllm, torch
+from rvllm.kernels import warm_up_numba
+warm_up_numba()
+print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"

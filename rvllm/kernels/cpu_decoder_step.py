@@ -64,16 +64,25 @@ MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
-def _silu_put(out, b, r, g, u, scale, bias, inter):
-    """out[b, r] = SiLU(g) * u, g from gate row r and u from up row r + inter, each
-    with its row's scale and bias."""
+def _silu_put(out, r, g, u, scale, bias, inter):
+    """out[r] (one row of the output) = SiLU(g) * u, g from gate row r and u from up row
+    r + inter, each with its row's scale and bias."""
     if scale.shape[0] > 0:
         g *= scale[r]
         u *= scale[r + inter]
     if bias.shape[0] > 0:
         g += bias[r]
         u += bias[r + inter]
-    out[b, r] = g / (np.float32(1.0) + exp32(-g)) * u
+    out[r] = g / (np.float32(1.0) + exp32(-g)) * u
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _gate_up_lanes(w, r, q, inter, x, scale, bias, out):
+    """Gate rows r + j * q (j < 4) and their up rows, with the vector x, into out."""
+    d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + inter, r + q + inter,
+              r + 2 * q + inter, r + 3 * q + inter, x)
+    for j in range(4):
+        _silu_put(out, r + j * q, d[j], d[j + 4], scale, bias, inter)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -81,19 +90,22 @@ def _gate_up_silu(x, w, scale, bias, out, parts):
     """The merged gate/up projection (rows [0, I) gate, [I, 2I) up) and SiLU(gate) * up:
     the [B, 2I] intermediate never exists. Each thread streams four lanes of its share of
     gate rows with their up rows, eight weight rows at once (``cpu_gemv.LANES``);
-    ``parts`` as ``cpu_gemv._matvec``'s."""
+    ``parts`` as ``cpu_gemv._matvec``'s, and one row of x has a loop of its own, as
+    there."""
     inter = out.shape[1]
     for part in prange(parts):
         lo, hi, q = _share(inter, part, parts, 4)
-        for r in range(lo, lo + q):
-            for b in range(x.shape[0]):
-                d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + inter, r + q + inter,
-                          r + 2 * q + inter, r + 3 * q + inter, x, b)
-                for j in range(4):
-                    _silu_put(out, b, r + j * q, d[j], d[j + 4], scale, bias, inter)
+        if x.shape[0] == 1:
+            x0, out0 = x[0], out[0]
+            for r in range(lo, lo + q):
+                _gate_up_lanes(w, r, q, inter, x0, scale, bias, out0)
+        else:
+            for r in range(lo, lo + q):
+                for b in range(x.shape[0]):
+                    _gate_up_lanes(w, r, q, inter, x[b], scale, bias, out[b])
         for r in range(lo + 4 * q, hi):
             for b in range(x.shape[0]):
-                _silu_put(out, b, r, _dot(w, r, x, b), _dot(w, r + inter, x, b), scale,
+                _silu_put(out[b], r, _dot(w, r, x[b]), _dot(w, r + inter, x[b]), scale,
                           bias, inter)
 
 

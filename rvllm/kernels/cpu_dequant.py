@@ -76,8 +76,10 @@ def dequantize_into(type_name: str, blocks: np.ndarray, out: np.ndarray) -> None
 
 
 def warm_up() -> None:
-    """Load (or compile) the decoders for the read-only bytes of a memory-mapped file."""
+    """Load (or compile) the decoders for the read-only bytes of a memory-mapped file and
+    for writable bytes (numba compiles each apart; a GGUF's loading passes both)."""
     for name, type_size, block_size in (("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32)):
-        blocks = np.zeros((1, type_size), np.uint8)
-        blocks.flags.writeable = False
-        dequantize_into(name, blocks, np.empty((1, block_size), np.float32))
+        for writeable in (False, True):
+            blocks = np.zeros((1, type_size), np.uint8)
+            blocks.flags.writeable = writeable
+            dequantize_into(name, blocks, np.empty((1, block_size), np.float32))
