@@ -1,7 +1,11 @@
-"""exp32, the vectorisable exponential the CPU kernels use, against numpy's in float64."""
+"""The numba kernels' shared pieces: exp32, the vectorisable exponential, against numpy's in
+float64; fetch_rows; and the kernels' cache stamp (``kernels.numba_cache``)."""
+
+import importlib
 
 import numba
 import numpy as np
+import pytest
 
 # rvllm.kernels is imported inside the tests: test_kernels.py must be first to import it
 # (it sets TRITON_INTERPRET=1 before), and pytest imports every test module up front.
@@ -31,3 +35,45 @@ def test_exp32_clamps_instead_of_overflowing():
     assert out[0] == 1.0
     assert 0.0 <= out[1] < 1e-37 and 0.0 <= out[2] < 1e-37  # vanishing in a softmax
     assert np.isfinite(out[3]) and out[3] > 1e38
+
+
+def test_fetch_rows_is_only_a_hint():
+    from rvllm.kernels.cpu_math import fetch_rows
+
+    @numba.njit
+    def fetch_all(x):  # noqa: ANN001, ANN202
+        for i in range(x.shape[0]):
+            fetch_rows(x, i)
+        return x.sum()
+
+    x = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
+    assert fetch_all(x) == x.sum()
+    assert np.array_equal(x, np.arange(x.size, dtype=np.float32).reshape(x.shape))
+
+
+@pytest.mark.parametrize("module", ["cpu_batch_step", "cpu_decode_attention",
+                                    "cpu_decoder_step", "cpu_dequant", "cpu_gemv",
+                                    "cpu_greedy", "cpu_math", "cpu_quantize"])
+def test_every_cached_kernel_is_checked_against_all_kernel_sources(module):
+    """A kernel inlining another module's function must be recompiled when that module
+    changes: numba's own check looks at the kernel's file alone."""
+    from rvllm.kernels import numba_cache
+
+    mod = importlib.import_module(f"rvllm.kernels.{module}")
+    cached = [f for f in vars(mod).values()
+              if isinstance(f, numba.core.registry.CPUDispatcher) and f._cache._enabled
+              and f.py_func.__module__ == mod.__name__]
+    assert cached, module
+    for f in cached:
+        assert f._cache._impl.locator.get_source_stamp() == numba_cache._sources_digest()
+
+
+def test_functions_outside_the_kernels_keep_numbas_own_stamp():
+    from rvllm.kernels import numba_cache  # noqa: F401 - installs the kernels' locators
+
+    @numba.njit(cache=True)
+    def elsewhere(x):  # noqa: ANN001, ANN202
+        return x + 1
+
+    locator = elsewhere._cache._impl.locator
+    assert "Kernels" not in type(locator).__name__

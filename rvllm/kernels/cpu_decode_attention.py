@@ -17,6 +17,12 @@ or bfloat16 cache (``--kv-cache-dtype bfloat16``: half the bytes to read, each r
 widened once for the query heads that share it); the torch path is the reference it is
 tested against, and what runs in other dtypes.
 
+While it computes on a block, it prefetches the next one, a token row per token (in the
+scores pass, after the last block of keys, the first block of values). The blocks lie
+anywhere in the cache: without that, a thread waited for memory at every block, then
+computed with the memory idle. 32 sequences of ~340 tokens, a cache far larger than the
+L3: 0.85 ms a layer without, 0.42 ms with, 0.40 ms to only read the same blocks.
+
 numba compiles the kernel on its first call (a few seconds) and caches the machine
 code next to this file, or under ``NUMBA_CACHE_DIR``, so later processes load it in
 a fraction of a second; ``warm_up()`` does that at engine start.
@@ -28,8 +34,11 @@ import numba
 import numpy as np
 import torch
 
-from rvllm.kernels import match_torch_threads
-from rvllm.kernels.cpu_math import exp32, kv_array, widen_kv_row
+from rvllm.kernels import (
+    match_torch_threads,
+    numba_cache,  # noqa: F401 - stamps the kernels' cache
+)
+from rvllm.kernels.cpu_math import exp32, fetch_rows, kv_array, widen_kv_row
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -62,9 +71,12 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
     for b in range(lo, hi):
         # A block's keys (and values) are one contiguous run of memory: read it in order.
         keys = key_cache[block_tables[seq, b]]
+        ahead = (key_cache[block_tables[seq, b + 1]] if b + 1 < hi
+                 else value_cache[block_tables[seq, lo]])
         t0, t1 = max(t_lo - b * block_size, 0), min(t_hi - b * block_size, block_size)
         base = b * block_size - t_lo
         for t in range(t0, t1):
+            fetch_rows(ahead, t)
             for kv in range(num_kv_heads):
                 key = widen_kv_row(keys[t, kv], row)
                 for h in range(kv * group, (kv + 1) * group):
@@ -91,6 +103,8 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         t0, t1 = max(t_lo - b * block_size, 0), min(t_hi - b * block_size, block_size)
         base = b * block_size - t_lo
         for t in range(t0, t1):
+            if b + 1 < hi:
+                fetch_rows(value_cache[block_tables[seq, b + 1]], t)
             for kv in range(num_kv_heads):
                 value = widen_kv_row(values[t, kv], row)
                 for h in range(kv * group, (kv + 1) * group):

@@ -36,7 +36,10 @@ from numba import prange, types
 from numba.extending import intrinsic
 from torch import nn
 
-from rvllm.kernels import match_torch_threads
+from rvllm.kernels import (
+    match_torch_threads,
+    numba_cache,  # noqa: F401 - stamps the kernels' cache
+)
 from rvllm.kernels.cpu_gemv import _dot, _dot8, _matvec, _share
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv, widen_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS

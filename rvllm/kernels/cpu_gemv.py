@@ -26,6 +26,8 @@ import numba
 import numpy as np
 import torch
 
+from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+
 # Weight rows each thread streams at once. One row after another, a thread reads one
 # stream and the hardware prefetchers keep too few lines in flight: 25-27 GB/s on this
 # machine. Eight rows far apart (one in each eighth of the thread's share) are eight

@@ -14,6 +14,10 @@ whatever the cache's storage (``--kv-cache-dtype``): float32 as is, bfloat16 as 
 uint16 bit pattern (torch tensors of bfloat16 reach numba through ``kv_array``). Widening
 a bfloat16 is a 16-bit shift, which vectorises; narrowing rounds to nearest even,
 bit-identical to torch's ``.to(torch.bfloat16)`` (NaNs aside, which stay NaNs).
+
+``fetch_rows`` asks the memory for a row of an array ahead of its use (``llvm.prefetch``),
+for access patterns the hardware prefetchers cannot follow, such as the jumps from one
+paged-cache block to the next.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
 
 _LOG2E = np.float32(1.4426950408889634)
 # ln 2 split in two so that n * _LN2_HI is exact for the |n| <= 128 used here.
@@ -50,6 +57,31 @@ def _bits_from_float(typingctx, value):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
     return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, address):
+    """A hint to bring the cache line at the integer ``address`` into every cache level
+    (``llvm.prefetch``: a read, highest locality). It never faults."""
+    def codegen(context, builder, signature, args):
+        pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32]),
+            "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], pointer), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def fetch_rows(array, row):
+    """Prefetch ``array[row]`` (C-contiguous), a line of 64 bytes at a time."""
+    part = array[row]
+    start = part.ctypes.data
+    for offset in range(0, part.size * part.itemsize, 64):
+        _prefetch(start + offset)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from numba import prange
 
+from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+
 
 @numba.njit(parallel=True, cache=True)
 def _quantize_rows(w, q, scale):
