@@ -34,10 +34,7 @@ import numba
 import numpy as np
 import torch
 
-from rvllm.kernels import (
-    match_torch_threads,
-    numba_cache,  # noqa: F401 - stamps the kernels' cache
-)
+from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_math import exp32, fetch_rows, kv_array, widen_kv_row
 
 

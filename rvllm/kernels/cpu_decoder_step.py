@@ -36,12 +36,10 @@ from numba import prange, types
 from numba.extending import intrinsic
 from torch import nn
 
-from rvllm.kernels import (
-    match_torch_threads,
-    numba_cache,  # noqa: F401 - stamps the kernels' cache
-)
+from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu_decode_attention import _paged_decode
 from rvllm.kernels.cpu_gemv import _dot, _dot8, _matvec, _share
-from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv, widen_kv
+from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
 
@@ -112,43 +110,6 @@ def _gate_up_silu(x, w, scale, bias, out, parts):
                           bias, inter)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _attend(q, key_cache, value_cache, tables, positions, window, scores, out):
-    """Each row's new token, q [B, Hq, D] (already scaled), against positions
-    [0, position] of its paged context (the last ``window`` of them when window > 0);
-    out [B, Hq, D]. One (row, query head) per work item; ``scores`` [B * Hq, >= length]
-    is scratch."""
-    rows, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    for item in prange(rows * num_heads):
-        b, h = item // num_heads, item % num_heads
-        kv, table, length = h // group, tables[b], positions[b] + 1
-        start = length - window if 0 < window < length else 0
-        top = np.float32(-np.inf)
-        for t in range(start, length):
-            block, slot = table[t // block_size], t % block_size
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += q[b, h, d] * widen_kv(key_cache[block, slot, kv, d])
-            scores[item, t] = s
-            top = max(top, s)
-        for d in range(head_dim):
-            out[b, h, d] = 0.0
-        total = np.float32(0.0)
-        for t in range(start, length):
-            p = exp32(scores[item, t] - top)
-            scores[item, t] = p
-            total += p
-        for t in range(start, length):
-            p = scores[item, t]
-            block, slot = table[t // block_size], t % block_size
-            for d in range(head_dim):
-                out[b, h, d] += p * widen_kv(value_cache[block, slot, kv, d])
-        for d in range(head_dim):
-            out[b, h, d] /= total
-
-
 @numba.njit(fastmath=True, cache=True)
 def _rms_norm(x, weight, eps, out):
     """Each row of x [B, H]."""
@@ -194,7 +155,10 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     qkv = np.empty((rows, qkv_rows), np.float32)
     attn = np.empty((rows, num_heads, head_dim), np.float32)
     act = np.empty((rows, inter), np.float32)
-    scores = np.empty((rows * num_heads, positions.max() + 1), np.float32)
+    lens = positions + 1
+    # Fewer sequences than twice the threads: split each context so every thread works
+    # (as cpu_decode_attention.step_arrays).
+    num_splits = 1 if rows >= 2 * parts else -(-2 * parts // rows)
     block_size = key_cache.shape[2]
     for layer in range(norms1.shape[0]):
         if layer > 0:
@@ -221,8 +185,8 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                         key_cache[layer, block, offset, h, d] = narrow_kv(k[h, d], key_cache)
                         value_cache[layer, block, offset, h, d] = narrow_kv(v[h, d],
                                                                             value_cache)
-        _attend(q, key_cache[layer], value_cache[layer], tables, positions, windows[layer],
-                scores, attn)
+        _paged_decode(q, key_cache[layer], value_cache[layer], tables, lens,
+                      np.float32(1.0), windows[layer], np.float32(0.0), num_splits, attn)
         _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
                 o_s[layer], o_b[layer], delta, parts)
         hidden += delta
