@@ -2,6 +2,7 @@
 float64; fetch_rows; and the kernels' cache stamp (``kernels.numba_cache``)."""
 
 import importlib
+import platform
 
 import numba
 import numpy as np
@@ -49,6 +50,8 @@ def test_fetch_rows_is_only_a_hint():
     x = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
     assert fetch_all(x) == x.sum()
     assert np.array_equal(x, np.arange(x.size, dtype=np.float32).reshape(x.shape))
+    if platform.machine() in ("x86_64", "AMD64"):  # the hint is in the machine code
+        assert "prefetch" in next(iter(fetch_all.inspect_asm().values()))
 
 
 @pytest.mark.parametrize("module", ["cpu_batch_step", "cpu_decode_attention",

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
@@ -66,9 +65,9 @@ def _prefetch(typingctx, address):
     def codegen(context, builder, signature, args):
         pointer = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32]),
-            "llvm.prefetch.p0")
+        # Named for the pointer type, as this llvmlite's LLVM spells it ("p0" or "p0i8").
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [pointer], ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32]))
         builder.call(fn, [builder.inttoptr(args[0], pointer), ir.Constant(i32, 0),
                           ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
