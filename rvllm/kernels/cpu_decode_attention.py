@@ -144,6 +144,13 @@ def _paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, wind
                 out[seq, h, d] /= total
 
 
+@numba.njit(cache=True)
+def num_splits_for(num_seqs, threads):
+    """How many parts each context is split into: fewer sequences than twice the threads
+    are split so that every thread works."""
+    return 1 if num_seqs >= 2 * threads else -(-2 * threads // num_seqs)
+
+
 def step_arrays(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
     """What every layer of one decode step passes the same: the block tables and lengths
     as int64 numpy arrays, and how many parts each context is split into (fewer
@@ -151,7 +158,7 @@ def step_arrays(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
     match_torch_threads()
     threads = numba.get_num_threads()
     num_seqs = block_tables.shape[0]
-    num_splits = 1 if num_seqs >= 2 * threads else -(-2 * threads // num_seqs)
+    num_splits = num_splits_for(num_seqs, threads)
     return (block_tables.to(torch.int64).contiguous().numpy(),
             seq_lens.to(torch.int64).contiguous().numpy(), np.int64(num_splits))
 

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_decode_attention import _paged_decode
+from rvllm.kernels.cpu_decode_attention import _paged_decode, num_splits_for
 from rvllm.kernels.cpu_gemv import _dot, _dot8, _matvec, _share
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
@@ -155,10 +155,7 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     qkv = np.empty((rows, qkv_rows), np.float32)
     attn = np.empty((rows, num_heads, head_dim), np.float32)
     act = np.empty((rows, inter), np.float32)
-    lens = positions + 1
-    # Fewer sequences than twice the threads: split each context so every thread works
-    # (as cpu_decode_attention.step_arrays).
-    num_splits = 1 if rows >= 2 * parts else -(-2 * parts // rows)
+    lens, num_splits = positions + 1, num_splits_for(rows, parts)
     block_size = key_cache.shape[2]
     for layer in range(norms1.shape[0]):
         if layer > 0:
