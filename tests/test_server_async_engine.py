@@ -53,7 +53,10 @@ def test_invalid_request_raises_value_error_and_queues_nothing(engine):
             await engine.add_request("too-long", "hi", SamplingParams(max_tokens=10_000))
         with pytest.raises(ValueError, match="empty"):
             await engine.add_request("empty", [], GREEDY)
-        await engine.add_request("dup", "hi", GREEDY)
+        # Long enough to be still running when the second one arrives: a 12-token request
+        # on the tiny model can finish before the caller's loop wakes from the first accept.
+        long_running = SamplingParams(max_tokens=240, temperature=0, ignore_eos=True)
+        await engine.add_request("dup", "hi", long_running)
         with pytest.raises(ValueError, match="already in use"):
             await engine.add_request("dup", "hi", GREEDY)
         engine.abort("dup")
