@@ -56,7 +56,7 @@ def test_fetch_rows_is_only_a_hint():
 
 @pytest.mark.parametrize("module", ["cpu_batch_step", "cpu_decode_attention",
                                     "cpu_decoder_step", "cpu_dequant", "cpu_gemv",
-                                    "cpu_greedy", "cpu_math", "cpu_quantize"])
+                                    "cpu_greedy", "cpu_math", "cpu_quantize", "cpu_vectors"])
 def test_every_cached_kernel_is_checked_against_all_kernel_sources(module):
     """A kernel inlining another module's function must be recompiled when that module
     changes: numba's own check looks at the kernel's file alone."""

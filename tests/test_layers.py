@@ -101,20 +101,34 @@ def test_numba_decode_attention_matches_each_sequence_written_out(
     check_decode_attention(lens, window, cap)
 
 
-def check_decode_attention(lens: list[int], window: int | None, cap: float | None) -> None:
+@pytest.mark.parametrize("window, cap", [(None, None), (21, None), (None, 30.0)])
+@pytest.mark.parametrize("block_size", [4, 16, 40])
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+def test_numba_decode_attention_on_16_lane_vectors_matches_each_sequence_written_out(
+        window: int | None, cap: float | None, block_size: int, kernel_backend: str) -> None:
+    # Head dimensions that are multiples of 16 take cpu_vectors: runs of 1-16 tokens, and
+    # blocks of more than 16 tokens in several runs.
+    check_decode_attention([3, 17, 9, 1, 70, 33], window, cap, head_dim=32,
+                           block_size=block_size)
+
+
+def check_decode_attention(lens: list[int], window: int | None, cap: float | None,
+                           head_dim: int = 8, block_size: int = 4) -> None:
     gen = torch.Generator().manual_seed(1)
-    md = decode_step(lens)
-    attn = Attention(num_heads=6, head_dim=8, num_kv_heads=2, scale=8**-0.5,
+    md = decode_step(lens, block_size)
+    d = head_dim
+    attn = Attention(num_heads=6, head_dim=d, num_kv_heads=2, scale=d**-0.5,
                      sliding_window=window, logits_soft_cap=cap)
-    cache = torch.randn(2, 32, 4, 2, 8, generator=gen)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    cache = torch.randn(2, num_blocks, block_size, 2, d, generator=gen)
     attn.kv_cache = (cache[0], cache[1])
-    q = torch.randn(len(lens), 6, 8, generator=gen)
-    k, v = torch.randn(len(lens), 2, 8, generator=gen), torch.randn(len(lens), 2, 8, generator=gen)
+    q = torch.randn(len(lens), 6, d, generator=gen)
+    k, v = torch.randn(len(lens), 2, d, generator=gen), torch.randn(len(lens), 2, d, generator=gen)
     with set_forward_context(md):
-        got = attn(q, k, v).view(len(lens), 6, 8)
-    keys, values = cache[0].view(-1, 2, 8), cache[1].view(-1, 2, 8)
+        got = attn(q, k, v).view(len(lens), 6, d)
+    keys, values = cache[0].view(-1, 2, d), cache[1].view(-1, 2, d)
     for i, n in enumerate(lens):
-        want = reference_decode(q[i], keys, values, md.decode_slots[i], n, 8**-0.5, window, cap)
+        want = reference_decode(q[i], keys, values, md.decode_slots[i], n, d**-0.5, window, cap)
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
 
 

@@ -58,18 +58,26 @@ def _bits_from_float(typingctx, value):
     return types.int32(types.float32), codegen
 
 
+def prefetch_line(builder: ir.IRBuilder, address: ir.Value) -> None:
+    """Emit a hint to bring the cache line at the integer ``address`` into the L2 and the
+    L3 (``llvm.prefetch``: a read, locality 2, x86's ``prefetcht1``). It never faults.
+    Into the L1 too (locality 3), the lines of a paged-cache block asked for ahead took
+    the L1's few miss slots from the loads of the block being computed on: decode
+    attention over the serving replay's steps ran 14% slower than with locality 2."""
+    pointer = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    # Named for the pointer type, as this llvmlite's LLVM spells it ("p0" or "p0i8").
+    fn = builder.module.declare_intrinsic(
+        "llvm.prefetch", [pointer], ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32]))
+    builder.call(fn, [builder.inttoptr(address, pointer), ir.Constant(i32, 0),
+                      ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def _prefetch(typingctx, address):
-    """A hint to bring the cache line at the integer ``address`` into every cache level
-    (``llvm.prefetch``: a read, highest locality). It never faults."""
+    """``prefetch_line`` at the integer ``address``."""
     def codegen(context, builder, signature, args):
-        pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        # Named for the pointer type, as this llvmlite's LLVM spells it ("p0" or "p0i8").
-        fn = builder.module.declare_intrinsic(
-            "llvm.prefetch", [pointer], ir.FunctionType(ir.VoidType(), [pointer, i32, i32, i32]))
-        builder.call(fn, [builder.inttoptr(args[0], pointer), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        prefetch_line(builder, args[0])
         return context.get_dummy_value()
     return types.void(types.int64), codegen
 
