@@ -3,6 +3,7 @@ that measures the activations of the largest step (runs on the CPU too)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,36 @@ from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from rvllm.executor.kv_cache import (
     blocks_for_budget,
     bytes_per_block,
+    empty_cpu_cache,
     estimate_weight_bytes,
     gpu_kv_budget,
 )
 
 GiB = 1 << 30
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags for the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0] if line.split() else ""
+        if "-" in first and not line.startswith("VmFlags"):
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_the_cpu_cache_asks_for_huge_pages_and_works_as_any_tensor() -> None:
+    cache = empty_cpu_cache((8, 2, 1 << 18), torch.float32)  # 16 MiB
+    assert cache.shape == (8, 2, 1 << 18) and cache.dtype == torch.float32
+    assert "hg" in _vm_flags(cache.data_ptr() + (6 << 20))  # MADV_HUGEPAGE took
+    cache.fill_(2.0)
+    assert float(cache.sum()) == 2.0 * cache.numel()
+    # Too small to hold a whole huge page: left alone.
+    assert empty_cpu_cache((3, 5), torch.bfloat16).shape == (3, 5)
 
 
 def test_budget_is_the_smaller_of_utilization_and_reserve_less_the_peak() -> None:

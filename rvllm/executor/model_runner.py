@@ -9,6 +9,7 @@ from torch import nn
 
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rvllm.engine.sequence import Sequence
+from rvllm.executor.kv_cache import empty_cpu_cache
 from rvllm.forward_context import (
     AttentionMetadata,
     PrefillSeq,
@@ -58,8 +59,7 @@ class ModelRunner:
             # layer a slice, so a whole-stack kernel (kernels.cpu_decoder_step) can
             # take the caches as one array.
             shape = (len(layers), num_blocks, self.block_size, *shapes.pop())
-            keys = torch.empty(shape, dtype=dtype, device=self.device)
-            values = torch.empty(shape, dtype=dtype, device=self.device)
+            keys, values = self._cache_tensor(shape, dtype), self._cache_tensor(shape, dtype)
             for i, attn in enumerate(layers):
                 attn.kv_cache = (keys[i], values[i])
             return
@@ -68,8 +68,7 @@ class ModelRunner:
             entries = getattr(attn, "cache_entry_shapes", None)
             if entries is not None:
                 attn.kv_cache = tuple(
-                    torch.empty((num_blocks, self.block_size, *entry), dtype=dtype,
-                                device=self.device)
+                    self._cache_tensor((num_blocks, self.block_size, *entry), dtype)
                     for entry in entries
                 )
                 continue
@@ -77,10 +76,13 @@ class ModelRunner:
             local = (num_blocks, self.block_size,
                      getattr(attn, "num_kv_heads", num_kv_heads),
                      getattr(attn, "head_dim", head_dim))
-            attn.kv_cache = (
-                torch.empty(local, dtype=dtype, device=self.device),
-                torch.empty(local, dtype=dtype, device=self.device),
-            )
+            attn.kv_cache = (self._cache_tensor(local, dtype), self._cache_tensor(local, dtype))
+
+    def _cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised cache memory: on the CPU, asked to be huge pages (``empty_cpu_cache``)."""
+        if self.device.type == "cpu":
+            return empty_cpu_cache(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int,
