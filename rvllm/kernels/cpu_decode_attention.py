@@ -46,6 +46,28 @@ from rvllm.kernels.cpu_vectors import LANES, run_scores, run_values, supports
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
+def _scores_run(queries, keys, ahead, s0, n, base, group, scores, partials):
+    """``run_scores`` on the n tokens of the block from token s0 on. Called with n the
+    constant ``LANES`` for a full run, so that LLVM compiles that copy for its length:
+    the scores of full runs took 12% less time (SmolLM2's heads, 2 cores), the values 5%
+    less."""
+    row_bytes = keys.shape[1] * keys.shape[2] * keys.itemsize
+    run_scores(queries.ctypes.data, keys.ctypes.data + s0 * row_bytes, n, queries.shape[1],
+               group, keys.shape[1], partials.ctypes.data,
+               scores.ctypes.data + (base + s0) * 4, scores.shape[1],
+               ahead.ctypes.data + s0 * row_bytes, keys)
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _values_run(scores, values, ahead, fetch, s0, n, base, group, acc):
+    """``run_values`` on the n tokens of the block from token s0 on, as ``_scores_run``."""
+    row_bytes = values.shape[1] * values.shape[2] * values.itemsize
+    run_values(scores.ctypes.data + (base + s0) * 4, scores.shape[1],
+               values.ctypes.data + s0 * row_bytes, n, acc.shape[1], group, values.shape[1],
+               acc.ctypes.data, ahead.ctypes.data + s0 * row_bytes if fetch else 0, values)
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
 def _block_scores(queries, keys, ahead, t0, t1, base, group, row, scores, partials):
     """Scores of the block's tokens [t0, t1) into scores[:, base + t], while the same rows
     of the block ``ahead`` are asked for: in runs of up to 16 tokens with
@@ -54,12 +76,11 @@ def _block_scores(queries, keys, ahead, t0, t1, base, group, row, scores, partia
     query heads that share it)."""
     head_dim, num_kv_heads = queries.shape[1], keys.shape[1]
     if supports(head_dim):
-        row_bytes = num_kv_heads * head_dim * keys.itemsize
         for s0 in range(t0, t1, LANES):
-            run_scores(queries.ctypes.data, keys.ctypes.data + s0 * row_bytes,
-                       min(LANES, t1 - s0), head_dim, group, num_kv_heads, partials.ctypes.data,
-                       scores.ctypes.data + (base + s0) * 4, scores.shape[1],
-                       ahead.ctypes.data + s0 * row_bytes, keys)
+            if t1 - s0 >= LANES:  # a full run, its length a constant: see _scores_run
+                _scores_run(queries, keys, ahead, s0, LANES, base, group, scores, partials)
+            else:
+                _scores_run(queries, keys, ahead, s0, t1 - s0, base, group, scores, partials)
         return
     for t in range(t0, t1):
         fetch_rows(ahead, t)
@@ -78,12 +99,11 @@ def _block_values(scores, values, ahead, fetch, t0, t1, base, group, row, acc):
     for the same rows of ``ahead`` when ``fetch``, as ``_block_scores``."""
     head_dim, num_kv_heads = acc.shape[1], values.shape[1]
     if supports(head_dim):
-        row_bytes = num_kv_heads * head_dim * values.itemsize
         for s0 in range(t0, t1, LANES):
-            run_values(scores.ctypes.data + (base + s0) * 4, scores.shape[1],
-                       values.ctypes.data + s0 * row_bytes, min(LANES, t1 - s0), head_dim, group,
-                       num_kv_heads, acc.ctypes.data,
-                       ahead.ctypes.data + s0 * row_bytes if fetch else 0, values)
+            if t1 - s0 >= LANES:  # as in _block_scores
+                _values_run(scores, values, ahead, fetch, s0, LANES, base, group, acc)
+            else:
+                _values_run(scores, values, ahead, fetch, s0, t1 - s0, base, group, acc)
         return
     for t in range(t0, t1):
         if fetch:
