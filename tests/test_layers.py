@@ -112,6 +112,32 @@ def test_numba_decode_attention_on_16_lane_vectors_matches_each_sequence_written
                            block_size=block_size)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[30], [3, 17, 9], [3, 17, 9, 1, 70, 33]])
+def test_numba_decode_attention_at_any_split_count_matches_each_sequence_written_out(
+        num_splits: int, lens: list[int]) -> None:
+    # Unsplit, each work item writes its sequence's result; split, up to MERGE_HERE
+    # sequences are merged on the calling thread, more in a parallel loop.
+    import numpy as np
+
+    from rvllm.kernels.cpu_decode_attention import MERGE_HERE, paged_decode_attention_cpu
+
+    assert 3 <= MERGE_HERE < 6  # the cases take both ways
+    gen = torch.Generator().manual_seed(2)
+    md = decode_step(lens, 16)
+    num_blocks = sum(-(-n // 16) for n in lens) + 1
+    cache = torch.randn(2, num_blocks, 16, 2, 32, generator=gen)
+    q = torch.randn(len(lens), 6, 32, generator=gen)
+    tables = md.decode_block_tables.to(torch.int64).numpy()
+    got = paged_decode_attention_cpu(
+        q, cache[0], cache[1], md.decode_block_tables, torch.tensor(lens), 32**-0.5, None,
+        None, arrays=(tables, np.array(lens, np.int64), np.int64(num_splits)))
+    keys, values = cache[0].view(-1, 2, 32), cache[1].view(-1, 2, 32)
+    for i, n in enumerate(lens):
+        want = reference_decode(q[i], keys, values, md.decode_slots[i], n, 32**-0.5, None, None)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
 def check_decode_attention(lens: list[int], window: int | None, cap: float | None,
                            head_dim: int = 8, block_size: int = 4) -> None:
     gen = torch.Generator().manual_seed(1)

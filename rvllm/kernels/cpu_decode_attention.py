@@ -118,12 +118,13 @@ def _block_values(scores, values, ahead, fetch, t0, t1, base, group, row, acc):
 
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, window, soft_cap,
-                 num_splits, part_max, part_sum, part_out, item):
+                 num_splits, part_max, part_sum, part_out, item, out):
     """One sequence's attention over one contiguous run of its blocks, as an unnormalised
     partial result: per query head the max score, the sum of exp(score - max), and the
-    exp-weighted sum of values. Two passes over the run: every score first (each key row
-    read once for the query heads that share it), one softmax per head over its row of
-    scores (``exp32``: vectorised), then the weighted values."""
+    exp-weighted sum of values; over the whole context (one split), the result itself,
+    into out. Two passes over the run: every score first (each key row read once for the
+    query heads that share it), one softmax per head over its row of scores (``exp32``:
+    vectorised), then the weighted values."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -174,9 +175,17 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         ahead = value_cache[block_tables[seq, min(b + 1, hi - 1)]]
         _block_values(scores, value_cache[block_tables[seq, b]], ahead, b + 1 < hi, t0, t1,
                       b * block_size - t_lo, group, row, acc)
+    if num_splits == 1:  # the whole context: the result itself, nothing to merge
+        for h in range(num_heads):
+            for d in range(head_dim):
+                out[seq, h, d] = acc[h, d] / part_sum[seq, 0, h]
+        return
     for h in range(num_heads):
         for d in range(head_dim):
             part_out[seq, split, h, d] = acc[h, d]
+
+
+MERGE_HERE = 4  # split sequences merged on the calling thread, at most
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -185,29 +194,44 @@ def _paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, wind
     num_seqs, num_heads, head_dim = q.shape
     part_max = np.empty((num_seqs, num_splits, num_heads), np.float32)
     part_sum = np.empty((num_seqs, num_splits, num_heads), np.float32)
-    part_out = np.empty((num_seqs, num_splits, num_heads, head_dim), np.float32)
+    part_out = np.empty((num_seqs if num_splits > 1 else 0, num_splits, num_heads, head_dim),
+                        np.float32)
     for item in numba.prange(num_seqs * num_splits):
         _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, window,
-                     soft_cap, num_splits, part_max, part_sum, part_out, item)
-    # Merge the splits: rescale each to the overall max (an empty split has max -inf and
-    # weighs nothing).
-    for seq in numba.prange(num_seqs):
-        for h in range(num_heads):
-            top = part_max[seq, 0, h]
-            for split in range(1, num_splits):
-                top = max(top, part_max[seq, split, h])
-            total = np.float32(0.0)
+                     soft_cap, num_splits, part_max, part_sum, part_out, item, out)
+    if num_splits == 1:
+        return  # each item wrote its sequence's result
+    if num_seqs <= MERGE_HERE:
+        # A few thousand floats: here, not in a parallel loop, which cost a fork and join
+        # of numba's threads (3 us) every layer of every N=1 decode step.
+        for seq in range(num_seqs):
+            _merge(part_max, part_sum, part_out, seq, out)
+    else:
+        for seq in numba.prange(num_seqs):
+            _merge(part_max, part_sum, part_out, seq, out)
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _merge(part_max, part_sum, part_out, seq, out):
+    """out[seq] from its splits' partial results: each rescaled to the overall max (an
+    empty split has max -inf and weighs nothing)."""
+    num_splits, num_heads, head_dim = part_out.shape[1], part_out.shape[2], part_out.shape[3]
+    for h in range(num_heads):
+        top = part_max[seq, 0, h]
+        for split in range(1, num_splits):
+            top = max(top, part_max[seq, split, h])
+        total = np.float32(0.0)
+        for d in range(head_dim):
+            out[seq, h, d] = 0.0
+        for split in range(num_splits):
+            if part_max[seq, split, h] == -np.inf:
+                continue  # an empty split
+            weight = np.exp(part_max[seq, split, h] - top)
+            total += weight * part_sum[seq, split, h]
             for d in range(head_dim):
-                out[seq, h, d] = 0.0
-            for split in range(num_splits):
-                if part_max[seq, split, h] == -np.inf:
-                    continue  # an empty split
-                weight = np.exp(part_max[seq, split, h] - top)
-                total += weight * part_sum[seq, split, h]
-                for d in range(head_dim):
-                    out[seq, h, d] += weight * part_out[seq, split, h, d]
-            for d in range(head_dim):
-                out[seq, h, d] /= total
+                out[seq, h, d] += weight * part_out[seq, split, h, d]
+        for d in range(head_dim):
+            out[seq, h, d] /= total
 
 
 @numba.njit(cache=True)
