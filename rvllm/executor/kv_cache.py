@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -118,11 +119,6 @@ def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _LIBC
-
-
-_LIBC: ctypes.CDLL | None = None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
