@@ -68,12 +68,9 @@ def read_stream(buf, parts):
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of the weights (and int8 scales) a one-row step reads: every linear layer's
-    row-major copy, which is what the one-row kernels read."""
-    total = 0
-    for module in llm.engine.model.modules():
-        for array in getattr(module, "row_major_weight", None) or ():
-            total += array.nbytes
-    return total
+    panels (``kernels.cpu_gemv``), which is what the one-row kernels read."""
+    return sum(module.panel_weight.nbytes for module in llm.engine.model.modules()
+               if getattr(module, "panel_weight", None) is not None)
 
 
 def main() -> None:
@@ -88,7 +85,7 @@ def main() -> None:
     engine = llm.engine
     nbytes = weight_bytes(llm)
     if nbytes == 0:
-        raise SystemExit("this model keeps no row-major weights (not the numba one-row path)")
+        raise SystemExit("this model keeps no weight panels (not the numba one-row path)")
     buf = np.random.default_rng(0).random((nbytes // 4096, 1024), dtype=np.float32)
     parts = numba.get_num_threads()
     reads = {"eight streams a thread": (read_streams, []), "one stream a thread": (read_stream, [])}

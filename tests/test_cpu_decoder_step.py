@@ -49,6 +49,7 @@ def test_fused_step_matches_transformers_and_the_layers(model_dirs: dict[str, Pa
         tokens, logprob = generate(llm, prompt, fused=True)
         plan = llm.engine.model.model._decoder_step_plan
         assert plan is not None and plan.caches() is not None  # it did run
+        assert plan._logits is not None  # through to the logits (the runner's decode path)
         assert tokens == expected
         layer_tokens, layer_logprob = generate(llm, prompt, fused=False)
         assert layer_tokens == tokens
@@ -124,6 +125,69 @@ def test_hidden_states_match_the_layers_and_each_row_alone(llama_dir: Path,
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_decode_logits_match_the_layers_logits_and_their_greedy_token(
+        llama_dir: Path, quantization: str | None) -> None:
+    """The runner's compiled decode (``CausalLM.decode_logits``: the step, the LM head and
+    the greedy token in two calls) against the fused step's hidden states through
+    ``compute_logits`` and the sampler's argmax and log-softmax; three rows and one."""
+    from rvllm.forward_context import set_forward_context
+
+    llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8,
+              quantization=quantization)
+    model = llm.engine.model
+    metadata, ids, positions = _decode_inputs(llm, [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10]], 8)
+    for rows in ([0, 1, 2], [1]):
+        md = metadata(rows)
+        with torch.inference_mode(), set_forward_context(md):
+            hidden = model(ids[rows], positions[rows])
+            want = model.compute_logits(hidden)
+        if quantization:  # fbgemm quantizes the rows too: the kernels take them as they are
+            head = model.lm_head.panel_weight
+            dense = torch.from_numpy(head.weight).permute(0, 2, 1).reshape(-1, hidden.shape[1])
+            want = hidden @ (dense[:head.rows].float() * torch.from_numpy(head.scale)[:, None]).T
+        args = (ids[rows].numpy(), positions[rows].numpy(), md.slot_mapping.numpy(),
+                md.decode_block_tables.numpy())
+        plain = model.decode_logits(*args, greedy=False)
+        assert plain is not None and plain.greedy is None
+        torch.testing.assert_close(plain.logits, want, atol=1e-4, rtol=1e-4)
+        got = model.decode_logits(*args, greedy=True)
+        torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
+        tokens, logprobs = got.greedy
+        assert tokens == got.logits.argmax(dim=-1).tolist()
+        picked = torch.log_softmax(got.logits, dim=-1)[range(len(rows)), tokens]
+        torch.testing.assert_close(torch.tensor(logprobs), picked, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_head_greedy_merges_the_threads_shares_as_one_argmax(parts: int) -> None:
+    """The LM head's greedy pass: each thread's share of the vocabulary (some empty, at
+    5 parts of 3 panels) gives its largest logit, where it first is and its sum of exps;
+    merged, the first index of the row's largest logit (ties too, as torch.argmax) and
+    its log-softmax."""
+    import numpy as np
+
+    from rvllm.kernels.cpu_decoder_step import _head_greedy
+    from rvllm.kernels.cpu_gemv import panels
+
+    gen = torch.Generator().manual_seed(parts)
+    for vocab in (5, 40, 100):
+        weight = torch.randn(vocab, 24, generator=gen)
+        weight[vocab - 1] = weight[vocab // 3]  # a tie for the top at two indices
+        x = torch.randn(3, 24, generator=gen)
+        x[1] = weight[vocab // 3] * 3  # row 1's top is that tie
+        want = x @ weight.T
+        logits = np.empty((3, vocab), np.float32)
+        ids, logprobs = np.empty(3, np.int64), np.empty(3, np.float32)
+        packed = panels(weight)
+        _head_greedy(x.numpy(), packed.weight, packed.scale, logits, ids, logprobs, parts)
+        torch.testing.assert_close(torch.from_numpy(logits), want, atol=1e-4, rtol=1e-4)
+        assert ids.tolist() == torch.from_numpy(logits).argmax(dim=-1).tolist()
+        assert ids[1] == vocab // 3
+        picked = torch.log_softmax(torch.from_numpy(logits), -1)[range(3), ids.tolist()]
+        torch.testing.assert_close(torch.from_numpy(logprobs), picked, atol=1e-5, rtol=1e-5)
+
+
 # More rows than the one-call step takes (8 float32, 4 int8): the batch step runs.
 BATCH = [[3 + i, 40 + 7 * i, 9] + list(range(11, 11 + i)) for i in range(10)]
 
@@ -186,5 +250,5 @@ def test_batch_step_hidden_states_match_the_layers(llama_dir: Path) -> None:
 
 def test_other_shapes_keep_the_layers(model_dirs: dict[str, Path]) -> None:
     llm = LLM(str(model_dirs["llama"]), kernel_backend="numba", cpu_linear_backend="torch")
-    assert build_plan(llm.engine.model.model) is None  # no row-major weights
+    assert build_plan(llm.engine.model.model) is None  # no weight panels
 

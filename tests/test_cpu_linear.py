@@ -114,7 +114,7 @@ def test_numba_one_row_gemv_equals_f_linear_and_more_rows_use_onednn(kernel_back
     expected = {rows: block.references(x, h, lambda w: w.clone())
                 for rows, (x, h) in inputs_by_rows.items()}
     assert prepare_linear_weights(block, "auto") == "onednn"
-    assert block.col.row_major_weight[0].shape == (24, 48)  # kept for one-row inputs
+    assert block.col.panel_weight.weight.shape == (2, 48, 16)  # made for one-row inputs
     for rows, (x, h) in inputs_by_rows.items():
         for got, want in zip(block.outputs(x, h), expected[rows]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -269,36 +269,39 @@ def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 @pytest.mark.parametrize("int8", [False, True])
-def test_lane_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
-                                                       int8: bool) -> None:
+def test_panel_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
+                                                        int8: bool) -> None:
     """The GEMV (``cpu_gemv._matvec``) and the fused gate/up/SiLU
-    (``cpu_decoder_step._gate_up_silu``) stream each thread's share of the rows as eight
-    lanes at once: every split of the rows (shares that are whole lanes, and shares with
-    rows left over) must give F.linear's numbers, with and without scales and biases."""
+    (``cpu_decoder_step._gate_up_silu``) read the weight in panels of 16 rows, shared out
+    among the threads, up to four rows of x a pass: every split of the panels, weights
+    whose last panel is partly padding, odd column counts and more rows of x than a pass
+    takes must give F.linear's numbers, with and without scales and biases."""
     from rvllm.kernels.cpu_decoder_step import _gate_up_silu
-    from rvllm.kernels.cpu_gemv import _matvec
+    from rvllm.kernels.cpu_gemv import _matvec, panels
 
     gen = torch.Generator().manual_seed(parts * 10 + rows)
     empty = torch.empty(0).numpy()
-    for n in (5, 16, 48, 67, 130):
-        x = torch.randn(rows, 40, generator=gen)
+    for n, k in ((5, 40), (16, 41), (48, 40), (67, 7), (130, 40)):
+        x = torch.randn(rows, k, generator=gen)
         if int8:
-            q = torch.randint(-127, 128, (2 * n, 40), generator=gen, dtype=torch.int8)
+            q = torch.randint(-127, 128, (2 * n, k), generator=gen, dtype=torch.int8)
             scale = torch.rand(2 * n, generator=gen) / 50
-            weight, dense = q, q.float() * scale[:, None]
+            packed, dense = panels(q, scale), q.float() * scale[:, None]
         else:
-            weight = dense = torch.randn(2 * n, 40, generator=gen)
-            scale = torch.empty(0)
+            dense = torch.randn(2 * n, k, generator=gen)
+            packed = panels(dense)
         bias = torch.randn(2 * n, generator=gen)
         for b in (None, bias):
             out = torch.empty(rows, 2 * n)
-            _matvec(x.numpy(), weight.numpy(), scale.numpy(),
+            _matvec(x.numpy(), packed.weight, packed.scale,
                     empty if b is None else b.numpy(), out.numpy(), parts)
             torch.testing.assert_close(out, F.linear(x, dense, b), rtol=1e-5, atol=1e-4)
+            if n % 16:
+                continue  # the fused gate/up takes whole panels of each
             act = torch.empty(rows, n)
-            _gate_up_silu(x.numpy(), weight.numpy(), scale.numpy(),
+            _gate_up_silu(x.numpy(), packed.weight, packed.scale,
                           empty if b is None else b.numpy(), act.numpy(), parts)
             gate, up = F.linear(x, dense, b).chunk(2, dim=-1)
             torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-4)

@@ -102,14 +102,15 @@ def test_every_cpu_path_agrees_over_a_bfloat16_cache(llama_dir: Path,
         assert all(c.dtype == torch.bfloat16 for a in llm.engine.model.attention_layers()
                    for c in a.kv_cache)
         calls: list[str] = []
-        step, batch = cpu_decoder_step.decoder_step, cpu_batch_step.batch_step
-        cpu_decoder_step.decoder_step = _counted(step, "step", calls)
+        # A decode step of a few rows runs as decode_logits (the runner's compiled decode).
+        step, batch = cpu_decoder_step.decode_logits, cpu_batch_step.batch_step
+        cpu_decoder_step.decode_logits = _counted(step, "step", calls)
         cpu_batch_step.batch_step = _counted(batch, "batch", calls)
         try:
             runs[backend] = (_generate(llm, PROMPTS, one_at_a_time=True) if one_at_a_time
                              else _batch_twice(llm))
         finally:
-            cpu_decoder_step.decoder_step, cpu_batch_step.batch_step = step, batch
+            cpu_decoder_step.decode_logits, cpu_batch_step.batch_step = step, batch
         if backend == "numba":
             assert ("step" if one_at_a_time else "batch") in calls
         else:

@@ -367,7 +367,7 @@ class LLMEngine:
         step_outputs = self._execute(sched)
         if sched.num_batched_tokens > DECODER_STEP_MAX_ROWS:
             # Deferred packing, under load: a layer a step, on steps of the packed GEMMs
-            # (fewer rows read the row-major weights and never wait for the packing).
+            # (fewer rows read the weights' panels and never wait for the packing).
             reorder_pending(self.model, limit=1)
         now = time.time()
         moved: dict[str, Request] = {}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -154,6 +156,11 @@ class ModelRunner:
                 and plan.rows == list(range(len(decodes)))):
             logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
+        if (decodes and not prefills and self.tp_group is None and not plan.prompt
+                and use_numba() and plan.rows == list(range(len(decodes)))):
+            compiled = self._run_compiled_decode(decodes)
+            if compiled is not None:
+                return self._sample(ordered, plan, compiled.logits, compiled.greedy)
         input_ids, positions, metadata = self._prepare(decodes, prefills)
         logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
         if self.tp_group is not None:
@@ -221,6 +228,28 @@ class ModelRunner:
         tables = [s.seq.block_table[: (n - 1) // bs + 1] for s, n in zip(decodes, lens)]
         return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
 
+    def _run_compiled_decode(self, decodes: list[ScheduledSeq]) -> Any:
+        """A decode-only step on the CPU as the model's compiled call from token ids to
+        logits (``CausalLM.decode_logits``), its inputs made as numpy arrays straight from
+        the sequences: no tensors, no forward context, no per-layer Python. None where the
+        model does not offer it for this step."""
+        decode_logits = getattr(self.model, "decode_logits", None)
+        if decode_logits is None:
+            return None
+        bs, rows = self.block_size, len(decodes)
+        ids, pos, slots = (np.empty(rows, np.int64) for _ in range(3))
+        width = max(s.seq.num_computed_tokens for s in decodes) // bs + 1
+        tables = np.zeros((rows, width), np.int64)
+        greedy = True
+        for i, s in enumerate(decodes):
+            seq = s.seq
+            p, table = seq.num_computed_tokens, seq.block_table
+            ids[i], pos[i], slots[i] = seq.token_ids[p], p, table[p // bs] * bs + p % bs
+            used = table[:width]
+            tables[i, :len(used)] = used
+            greedy = greedy and seq.params.is_greedy and seq.params.logprobs is None
+        return decode_logits(ids, pos, slots, tables, greedy)
+
     def _decode_gather(self, decodes: list[ScheduledSeq], lazy_slots: bool = False
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Cache slots of every context position of each decoding sequence (padded; None
@@ -240,7 +269,11 @@ class ModelRunner:
                 tables.to(self.device))
 
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
-                logits: torch.Tensor | None) -> list[SeqStepOutput]:
+                logits: torch.Tensor | None,
+                greedy: tuple[list[int], list[float]] | None = None) -> list[SeqStepOutput]:
+        """Each sequence's output of the step from its logits rows; ``greedy``: each
+        sampling row's argmax and its logprob where the step computed them already (the
+        sampler takes them when no row's logits are processed)."""
         outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
         for i, (first, count, next_ids) in plan.prompt.items():
             out = outputs[i]
@@ -258,7 +291,7 @@ class ModelRunner:
                             o.seq.generator)
                 for o in sampling
             ]
-            result = self.sampler(logits[plan.sample_offset:], rows)
+            result = self.sampler(logits[plan.sample_offset:], rows, greedy)
             for j, o in enumerate(sampling):
                 o.token_id = result.sampled_token_ids[j]
                 o.logprob = result.sampled_logprobs[j]

@@ -20,13 +20,14 @@ quantize the activations too; here every int8 weight is widened to float32), and
 
 It serves models built exactly from ``PreNormDecoderLayer(LlamaAttention, LlamaMLP)``
 with plain RMSNorms (Llama, Mistral, Qwen2), float32 activations, linear layers that
-keep a row-major copy for one-row inputs (float32, or int8 with per-row scales, as
+keep their weights in panels for one-row inputs (float32, or int8 with per-row scales, as
 ``cpu_gemv``), and no tensor parallelism. Anything else keeps the torch path, which is
 also the reference this is tested against (``tests/test_cpu_decoder_step.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -38,7 +39,16 @@ from torch import nn
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, num_splits_for
-from rvllm.kernels.cpu_gemv import _dot, _dot8, _matvec, _share
+from rvllm.kernels.cpu_gemv import (
+    PANEL,
+    ROWS,
+    _matvec,
+    _panel_dots,
+    _panels_into,
+    _share,
+    Panels,
+    panel_shape,
+)
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
@@ -57,11 +67,14 @@ def _pointer_like(typingctx, address, like):
 
 @numba.njit(cache=True, inline="always")
 def _weight(addresses, layer, like, rows, cols):
-    return numba.carray(_pointer_like(addresses[layer], like), (rows, cols))
+    """The panels of a [rows, cols] weight (``cpu_gemv``) at ``addresses[layer]``."""
+    return numba.carray(_pointer_like(addresses[layer], like),
+                        ((rows + PANEL - 1) // PANEL, cols, PANEL))
 
 
 # Decode steps of at most this many sequences run here (float32 weights, int8 weights).
 MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
+_NO_BIAS = np.empty(0, np.float32)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -77,37 +90,27 @@ def _silu_put(out, r, g, u, scale, bias, inter):
     out[r] = g / (np.float32(1.0) + exp32(-g)) * u
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _gate_up_lanes(w, r, q, inter, x, scale, bias, out):
-    """Gate rows r + j * q (j < 4) and their up rows, with the vector x, into out."""
-    d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + inter, r + q + inter,
-              r + 2 * q + inter, r + 3 * q + inter, x)
-    for j in range(4):
-        _silu_put(out, r + j * q, d[j], d[j + 4], scale, bias, inter)
-
-
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _gate_up_silu(x, w, scale, bias, out, parts):
-    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up) and SiLU(gate) * up:
-    the [B, 2I] intermediate never exists. Each thread streams four lanes of its share of
-    gate rows with their up rows, eight weight rows at once (``cpu_gemv.LANES``);
-    ``parts`` as ``cpu_gemv._matvec``'s, and one row of x has a loop of its own, as
-    there."""
-    inter = out.shape[1]
+    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up; its panels w, I a
+    multiple of 16) and SiLU(gate) * up: the [B, 2I] intermediate never exists. Each
+    thread streams its share of the gate panels and the up panels beside them, two
+    streams; ``parts`` as ``cpu_gemv._matvec``'s."""
+    inter, batch = out.shape[1], x.shape[0]
+    gate_panels = inter // PANEL
     for part in prange(parts):
-        lo, hi, q = _share(inter, part, parts, 4)
-        if x.shape[0] == 1:
-            x0, out0 = x[0], out[0]
-            for r in range(lo, lo + q):
-                _gate_up_lanes(w, r, q, inter, x0, scale, bias, out0)
-        else:
-            for r in range(lo, lo + q):
-                for b in range(x.shape[0]):
-                    _gate_up_lanes(w, r, q, inter, x[b], scale, bias, out[b])
-        for r in range(lo + 4 * q, hi):
-            for b in range(x.shape[0]):
-                _silu_put(out[b], r, _dot(w, r, x[b]), _dot(w, r + inter, x[b]), scale,
-                          bias, inter)
+        lo, hi = _share(gate_panels, part, parts)
+        gates = np.empty((ROWS, PANEL), np.float32)
+        ups = np.empty((ROWS, PANEL), np.float32)
+        for p in range(lo, hi):
+            for b0 in range(0, batch, ROWS):
+                rows = min(ROWS, batch - b0)
+                _panel_dots(w, p, x, b0, rows, gates)
+                _panel_dots(w, p + gate_panels, x, b0, rows, ups)
+                for b in range(rows):
+                    for j in range(PANEL):
+                        _silu_put(out[b0 + b], p * PANEL + j, gates[b, j], ups[b, j],
+                                  scale, bias, inter)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -141,7 +144,7 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                   num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, parts):
     """One new token of each of B sequences through every layer. hidden [B, H]: the
     tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
-    layer's row-major weight of that projection, by address (int64 [L]; element type
+    layer's weight panels of that projection, by address (int64 [L]; element type
     ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
     [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
     D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
@@ -196,23 +199,75 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     _rms_norm(hidden, final_norm, eps, out)
 
 
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _logits_by_part(x, w, scale, logits, tops, firsts, totals, parts):
+    """logits [B, V] = x [B, H] W^T from the LM head's panels w (int8: times its scale);
+    then over each thread's share of the vocabulary, while it is in the cache, each row's
+    largest logit (tops [parts, B]), the first index holding it (firsts; -1 for an empty
+    share) and the sum of exp(logit - largest) (totals)."""
+    vocab, batch = logits.shape[1], x.shape[0]
+    for part in prange(parts):
+        lo, hi = _share(w.shape[0], part, parts)
+        _panels_into(x, w, scale, np.empty(0, np.float32), logits, lo, hi,
+                     np.empty((ROWS, PANEL), np.float32))
+        r0, r1 = lo * PANEL, min(hi * PANEL, vocab)
+        for b in range(batch):
+            firsts[part, b] = -1
+            if r1 <= r0:
+                continue
+            row = logits[b]
+            top = row[r0]
+            for i in range(r0, r1):
+                top = max(top, row[i])
+            for i in range(r0, r1):
+                if row[i] == top:
+                    firsts[part, b] = i
+                    break
+            total = np.float32(0.0)
+            for i in range(r0, r1):
+                total += exp32(row[i] - top)
+            tops[part, b], totals[part, b] = top, total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _head_greedy(x, w, scale, logits, token_ids, logprobs, parts):
+    """logits [B, V] of the final hidden states x [B, H] through the LM head's panels w,
+    and each row's greedy token (the first index of its largest logit, as
+    ``torch.argmax``) with its log-softmax logprob (``kernels.cpu_greedy``'s numbers):
+    the shares' maxima and sums of ``_logits_by_part``, merged."""
+    batch = x.shape[0]
+    tops = np.empty((parts, batch), np.float32)
+    totals = np.empty((parts, batch), np.float32)
+    firsts = np.empty((parts, batch), np.int64)
+    _logits_by_part(x, w, scale, logits, tops, firsts, totals, parts)
+    for b in range(batch):
+        top, best = np.float32(0.0), -1
+        for p in range(parts):
+            if firsts[p, b] >= 0 and (best < 0 or tops[p, b] > top):
+                top, best = tops[p, b], firsts[p, b]
+        total = np.float32(0.0)
+        for p in range(parts):
+            if firsts[p, b] >= 0:
+                total += totals[p, b] * exp32(tops[p, b] - top)
+        token_ids[b], logprobs[b] = best, -np.log(total)
+
+
 def _linears(modules: list[nn.Module]) -> tuple | None:
-    """One projection of every layer: its row-major weights' addresses (int64 [L]), the
-    weights themselves (kept alive with the plan), their element type as an empty array,
-    and the per-row scales (int8) and biases stacked [L, N], or [L, 0] for none. None
-    when a layer keeps no row-major copy (``--cpu-linear-backend torch``, fp16 weights)
-    or the layers differ in format or shape."""
-    copies = [getattr(m, "row_major_weight", None) for m in modules]
+    """One projection of every layer: its panels' addresses (int64 [L]), the panels
+    themselves (``cpu_gemv.Panels``, kept alive with the plan), their element type as an
+    empty array, and the per-row scales (int8) and biases stacked [L, N], or [L, 0] for
+    none. None when a layer keeps no panels (``--cpu-linear-backend torch``, fp16
+    weights) or the layers differ in format or shape."""
+    copies = [getattr(m, "panel_weight", None) for m in modules]
     if any(c is None for c in copies):
         return None
-    if len({(c[0].dtype, c[0].shape, len(c)) for c in copies}) != 1:
+    if len({(c.weight.dtype, c.weight.shape, c.rows, c.scale.shape) for c in copies}) != 1:
         return None
-    if not all(c[0].flags.c_contiguous for c in copies):
+    if not all(c.weight.flags.c_contiguous for c in copies):
         return None
-    weights = [c[0] for c in copies]
-    addresses = np.array([w.ctypes.data for w in weights], dtype=np.int64)
-    rows = weights[0].shape[0]
-    scale = (np.stack([c[1] for c in copies]) if len(copies[0]) > 1
+    addresses = np.array([c.weight.ctypes.data for c in copies], dtype=np.int64)
+    rows = copies[0].rows
+    scale = (np.stack([c.scale for c in copies]) if copies[0].scale.shape[0] > 0
              else np.empty((len(copies), 0), np.float32))
     biases = [getattr(m, "bias", None) for m in modules]
     if any(b is None for b in biases):
@@ -220,7 +275,7 @@ def _linears(modules: list[nn.Module]) -> tuple | None:
     else:
         bias = torch.stack([b.detach().float() for b in biases]).numpy()
     assert bias.shape[1] in (0, rows) and scale.shape[1] in (0, rows)
-    return addresses, weights, np.empty(0, weights[0].dtype), scale, bias
+    return addresses, copies, np.empty(0, copies[0].weight.dtype), scale, bias
 
 
 class DecoderStepPlan:
@@ -233,6 +288,8 @@ class DecoderStepPlan:
         self.layers = layers
         self.__dict__.update(attrs)
         self._caches: tuple[tuple, tuple[np.ndarray, np.ndarray] | None] | None = None
+        self._head: tuple[nn.Module, Panels | None] | None = None
+        self._logits: np.ndarray | None = None  # [max_rows, V], reused step after step
 
     def caches(self) -> tuple[np.ndarray, np.ndarray] | None:
         """[L, blocks, block_size, Hk, D] keys and values, when every layer's cache is a
@@ -245,6 +302,22 @@ class DecoderStepPlan:
         if self._caches is None or self._caches[0] != key:
             self._caches = (key, self._stacked_caches())
         return self._caches[1]
+
+    def head(self, lm_head: nn.Module) -> Panels | None:
+        """The LM head's panels when ``decode_logits`` can compute its logits: a plain
+        ``ParallelLMHead`` on one rank, no bias, panels of this stack's weight format and
+        hidden size (checked once)."""
+        if self._head is None or self._head[0] is not lm_head:
+            from rvllm.layers.embedding import ParallelLMHead
+
+            panels = getattr(lm_head, "panel_weight", None)
+            ok = (type(lm_head) is ParallelLMHead and panels is not None
+                  and lm_head.bias is None and lm_head.tp_size == 1
+                  and panels.rows == lm_head.num_embeddings
+                  and panels.weight.shape[1] == self.final_norm.shape[0]
+                  and panels.weight.dtype == self.like.dtype)
+            self._head = (lm_head, panels if ok else None)
+        return self._head[1]
 
     def _stacked_caches(self) -> tuple[np.ndarray, np.ndarray] | None:
         stacked = []
@@ -261,8 +334,8 @@ class DecoderStepPlan:
 
 def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     """The plan for ``decoder`` (a ``DecoderModel``), or None when its layers are not
-    exactly the Llama shape this kernel computes or its linear layers keep no row-major
-    copies."""
+    exactly the Llama shape this kernel computes or its linear layers keep no weight
+    panels."""
     from rvllm.distributed import get_tp_size
     from rvllm.layers.norm import RMSNorm
     from rvllm.layers.rotary import RotaryEmbedding
@@ -307,12 +380,15 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     attn0, rotary = first.self_attn, first.self_attn.rotary_emb
     num_heads, num_kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
     hidden = decoder.norm.weight.shape[0]
-    inter = first.mlp.gate_up_proj.row_major_weight[0].shape[0] // 2
+    inter = first.mlp.gate_up_proj.panel_weight.rows // 2
+    if inter % PANEL:
+        return None  # the fused gate/up takes whole panels of each
     q_size = num_heads * head_dim
     # The kernel reads each weight by address at these shapes: they must be exact.
     expected = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
                 "gu": (2 * inter, hidden), "down": (hidden, inter)}
-    if any(attrs["weights"][i][0].shape != shape for i, shape in enumerate(expected.values())):
+    if any((panel.rows, panel.weight.shape[1]) != shape
+           for panel, shape in zip((w[0] for w in attrs["weights"]), expected.values())):
         return None
     attrs.update({
         "norms1": torch.stack([layer.input_layernorm.weight.detach() for layer in layers])
@@ -332,6 +408,20 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     return DecoderStepPlan(layers, attrs)
 
 
+def _run_layers(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
+                token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                block_tables: np.ndarray, out: np.ndarray) -> None:
+    """``_decoder_step`` on the tokens' embeddings; the final hidden states go to out."""
+    match_torch_threads()
+    hidden = plan.embedding.numpy()[token_ids]  # a copy: the residual stream
+    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
+                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
+                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
+                  plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
+                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
+                  plan.final_norm, out, numba.get_num_threads())
+
+
 def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.ndarray,
                  slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
     """Final hidden states [B, H] of one new token of each of B sequences: token ids [B],
@@ -341,27 +431,53 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     caches = plan.caches()
     if caches is None or token_ids.shape[0] > plan.max_rows:
         return None
-    match_torch_threads()
-    hidden = plan.embedding[token_ids].numpy()  # a copy: the residual stream
-    out = torch.empty(hidden.shape, dtype=torch.float32)
-    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
-                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
-                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
-                  plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
-                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
-                  plan.final_norm, out.numpy(), numba.get_num_threads())
+    out = torch.empty((token_ids.shape[0], plan.final_norm.shape[0]), dtype=torch.float32)
+    _run_layers(plan, caches, token_ids.numpy(), positions, slots, block_tables, out.numpy())
     return out
+
+
+@dataclass(slots=True)
+class DecodeLogits:
+    """What ``decode_logits`` returns."""
+
+    logits: torch.Tensor  # [B, V] float32: a view of a buffer the next step writes over
+    greedy: tuple[list[int], list[float]] | None  # each row's argmax and its logprob
+
+
+def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarray,
+                  positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+                  greedy: bool) -> DecodeLogits | None:
+    """A decode step of B sequences (arguments as ``decoder_step``'s, token ids int64
+    [B]) through the layers and the LM head in two compiled calls, no tensor made on the
+    way: the logits, and with ``greedy`` each row's argmax token and its logprob, found
+    by the threads that computed the logits. None when this path does not cover the step
+    (the caller takes the general one)."""
+    caches, head = plan.caches(), plan.head(lm_head)
+    rows = token_ids.shape[0]
+    if caches is None or head is None or rows > plan.max_rows:
+        return None
+    if plan._logits is None:
+        plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
+    final = np.empty((rows, plan.final_norm.shape[0]), np.float32)
+    _run_layers(plan, caches, token_ids, positions, slots, block_tables, final)
+    logits, parts = plan._logits[:rows], numba.get_num_threads()
+    if not greedy:
+        _matvec(final, head.weight, head.scale, _NO_BIAS, logits, parts)
+        return DecodeLogits(torch.from_numpy(logits), None)
+    ids, logprobs = np.empty(rows, np.int64), np.empty(rows, np.float32)
+    _head_greedy(final, head.weight, head.scale, logits, ids, logprobs, parts)
+    return DecodeLogits(torch.from_numpy(logits), (ids.tolist(), logprobs.tolist()))
 
 
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
     """Compile (or load from numba's cache) the step for float32 weights (and int8 ones
     when ``int8``) on a one-layer toy stack with a cache of ``kv_dtype``, so a model's
     first decode step does not pay for it."""
-    heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 8
+    heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 16
     kept = []  # the toy weights stay alive while the step reads them by address
     for dtype in (np.float32, np.int8) if int8 else (np.float32,):
         def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
-            weight = np.zeros((rows, cols), dtype)
+            weight = np.zeros(panel_shape(rows, cols), dtype)
             kept.append(weight)
             scale = np.ones((1, rows if dtype is np.int8 else 0), np.float32)
             return (np.array([weight.ctypes.data], np.int64), scale,
@@ -379,3 +495,8 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
                       kv_heads, dim, np.float32(1.0), np.float32(1e-6),
                       np.ones(hidden, np.float32), np.empty((1, hidden), np.float32),
                       numba.get_num_threads())
+        head = np.zeros(panel_shape(20, hidden), dtype)
+        scale = np.ones(20 if dtype is np.int8 else 0, np.float32)
+        _head_greedy(np.ones((1, hidden), np.float32), head, scale,
+                     np.empty((1, 20), np.float32), np.empty(1, np.int64),
+                     np.empty(1, np.float32), numba.get_num_threads())

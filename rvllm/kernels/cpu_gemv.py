@@ -2,73 +2,141 @@
 
 A decode step of one sequence multiplies one row of activations by every weight matrix:
 the time is the time to read the weights. oneDNN's packed GEMM and fbgemm read them at
-10-14 GB/s at one row (measured on an AMD machine of this class); a loop over the
-row-major weight reads them as fast as the memory delivers, when it keeps enough
-streams going (``LANES``).
-So a linear layer with this path keeps its weight row-major beside the packed copy
-(``layers.cpu_linear``), and one-row inputs come here.
+10-14 GB/s at one row (measured on an AMD machine of this class); the kernel here reads
+them as fast as the memory delivers. So a linear layer with this path keeps a copy of
+its weight in panels (below) beside the packed one (``layers.cpu_linear``), and one-row
+inputs come here.
+
+**Panels.** The weight [N, K] is kept as [ceil(N / 16), K, 16]: panel p holds output rows
+16p..16p+15, column by column, so one 16-lane vector of a panel is one column of those
+rows (rows past N are zeros). A panel is then a dot product of x with 16 rows at once
+without any horizontal sum: for each column i, one vector load of the panel and one
+multiply-add with x[i] broadcast. Each thread reads its share of the panels in memory
+order, one stream, two instructions a 64-byte line. Row-major rows need a load of x beside
+each load of the weight and a horizontal sum per row; read that way (one row after
+another, or eight rows far apart at once) the same weights came in at 46-51 GB/s on a
+2-core AMD Zen 5 where a plain read of them ran at 58-62, and the panels at 64-67
+(SmolLM2-shaped and random-Llama-shaped stacks, alternated).
 
 - float32 weight [N, K];
 - int8 weight [N, K] with one float32 scale per output row; the activations stay
   float32 (each weight widened in registers), so this computes
   ``F.linear(x, q.float() * scale[:, None])`` up to summation order.
 
-Each of numba's threads takes a contiguous share of the output rows. Float32
-accumulation with ``fastmath``: the same numbers as ``F.linear`` up to the order of the
-sums. ``_matvec`` also takes a few rows of x at once (each weight row read from memory
-once for all of them) and a bias: the compiled decoder step (``cpu_decoder_step``) calls
-it too.
+Float32 accumulation: the same numbers as ``F.linear`` up to the order of the sums.
+``_matvec`` also takes a few rows of x at once (each panel read from memory once for all
+of them, from the cache again for every fourth row) and a bias: the compiled decoder
+step (``cpu_decoder_step``) calls it too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu_vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
 
-# Weight rows each thread streams at once. One row after another, a thread reads one
-# stream and the hardware prefetchers keep too few lines in flight: 25-27 GB/s on this
-# machine. Eight rows far apart (one in each eighth of the thread's share) are eight
-# streams: 36-46 GB/s for the same bytes (a 300 MB weight, K 576-1536, both threads).
-LANES = 8
+PANEL = LANES  # output rows a panel holds: one vector of each column
+ROWS = 4  # rows of x a panel's pass takes at most (their sums stay in registers)
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _dot(w, r, x):
-    """Weight row r (widened to float32 in registers) with the vector x [K]."""
-    acc = np.float32(0.0)
-    for i in range(w.shape[1]):
-        acc += np.float32(w[r, i]) * x[i]
-    return acc
+def panel_shape(rows: int, cols: int) -> tuple[int, int, int]:
+    """The shape of the panels of a [rows, cols] weight."""
+    return -(-rows // PANEL), cols, PANEL
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _dot8(w, r0, r1, r2, r3, r4, r5, r6, r7, x):
-    """Eight dot products with the vector x [K] in one pass: weight rows r0..r7, each
-    widened to float32 in registers (an int8 row); each sum runs over its own row alone."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for i in range(w.shape[1]):
-        xi = x[i]
-        a0 += np.float32(w[r0, i]) * xi
-        a1 += np.float32(w[r1, i]) * xi
-        a2 += np.float32(w[r2, i]) * xi
-        a3 += np.float32(w[r3, i]) * xi
-        a4 += np.float32(w[r4, i]) * xi
-        a5 += np.float32(w[r5, i]) * xi
-        a6 += np.float32(w[r6, i]) * xi
-        a7 += np.float32(w[r7, i]) * xi
-    return a0, a1, a2, a3, a4, a5, a6, a7
+def _panel_column(builder: ir.IRBuilder, w: ir.Value, i: ir.Value, int8: bool) -> ir.Value:
+    """Column i of the panel at address w: 16 weights, widened to float32."""
+    if not int8:
+        return builder.load(_vector_at(builder, w, builder.mul(i, _int(PANEL))), align=4)
+    raw_type = ir.VectorType(ir.IntType(8), PANEL)
+    address = builder.add(w, builder.mul(i, _int(PANEL)))
+    raw = builder.load(builder.inttoptr(address, raw_type.as_pointer()), align=1)
+    return builder.sitofp(raw, _VEC)
+
+
+def _panel_pass(rows: int):
+    """An intrinsic: out[b, 0:16] = sum over i < k of x[b, i] * panel[i, 0:16] for the
+    ``rows`` rows of x at x + b * x_step (bytes; float32), panel at the address w (the
+    element type of ``like``: float32 or int8), out: float32 [rows, 16] at address out.
+    Fewer rows keep more sums a row, so that enough multiply-adds are in flight: columns
+    i, i + 1, ... go to sums of their own, added at the end."""
+    sums_a_row = ROWS // rows
+
+    @intrinsic
+    def panel_pass(typingctx, w, x, x_step, k, out, like):
+        int8 = like.dtype == types.int8
+
+        def codegen(context, builder, signature, args):
+            w, x, x_step, k, out, _ = args
+            zero = ir.Constant(_VEC, [0.0] * LANES)
+            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(sums_a_row)]
+                    for _ in range(rows)]  # registers, after LLVM's mem2reg
+
+            def column(i: ir.Value, s: int) -> None:
+                wv = _panel_column(builder, w, i, int8)
+                for b in range(rows):
+                    x_at = builder.add(builder.add(x, builder.mul(_int(b), x_step)),
+                                       builder.mul(i, _int(4)))
+                    xb = _splat(builder, builder.load(builder.inttoptr(
+                        x_at, _F32.as_pointer()), align=4))
+                    builder.store(_fma(builder, xb, wv, builder.load(sums[b][s])),
+                                  sums[b][s])
+
+            whole = builder.sdiv(k, _int(sums_a_row))
+            with cgutils.for_range(builder, whole) as step:
+                first = builder.mul(step.index, _int(sums_a_row))
+                for s in range(sums_a_row):
+                    column(builder.add(first, _int(s)), s)
+            done = builder.mul(whole, _int(sums_a_row))
+            with cgutils.for_range(builder, builder.sub(k, done)) as rest:
+                column(builder.add(done, rest.index), 0)
+            for b in range(rows):
+                total = builder.load(sums[b][0])
+                for s in range(1, sums_a_row):
+                    total = builder.fadd(total, builder.load(sums[b][s]), flags=_FAST)
+                builder.store(total, _vector_at(builder, out, _int(b * PANEL)), align=4)
+            return context.get_dummy_value()
+
+        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
+                          like), codegen
+
+    return panel_pass
+
+
+_pass1, _pass2, _pass3, _pass4 = (_panel_pass(rows) for rows in range(1, ROWS + 1))
 
 
 @numba.njit(cache=True, inline="always")
-def _share(n, part, parts, lanes):
-    """Rows [lo, hi) of ``part`` of ``parts`` near-equal contiguous shares of n rows, and
-    q, the rows of each of its ``lanes`` lanes (lo + j * q + [0, q)); rows [lo + lanes *
-    q, hi) are left over, fewer than ``lanes``."""
-    lo, hi = n * part // parts, n * (part + 1) // parts
-    return lo, hi, (hi - lo) // lanes
+def _panel_dots(w, p, x, b0, rows, sums):
+    """sums[b, j] = x[b0 + b] . weight row 16p + j, for b < rows (at most ROWS): panel p
+    of the panels w [P, K, 16], x [B, K] float32 and C-contiguous, sums float32 [ROWS,
+    16]."""
+    k = w.shape[1]
+    address = w.ctypes.data + p * k * PANEL * w.itemsize
+    xa, step, out = x.ctypes.data + b0 * x.strides[0], x.strides[0], sums.ctypes.data
+    if rows == 1:
+        _pass1(address, xa, step, k, out, w)
+    elif rows == 2:
+        _pass2(address, xa, step, k, out, w)
+    elif rows == 3:
+        _pass3(address, xa, step, k, out, w)
+    else:
+        _pass4(address, xa, step, k, out, w)
+
+
+@numba.njit(cache=True, inline="always")
+def _share(n, part, parts):
+    """Items [lo, hi) of ``part`` of ``parts`` near-equal contiguous shares of n."""
+    return n * part // parts, n * (part + 1) // parts
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -81,57 +149,83 @@ def _put(out, r, acc, scale, bias):
     out[r] = acc
 
 
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _panels_into(x, w, scale, bias, out, lo, hi, sums):
+    """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
+    int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [ROWS, 16]."""
+    n, batch = out.shape[1], x.shape[0]
+    for p in range(lo, hi):
+        first = p * PANEL
+        count = min(PANEL, n - first)
+        for b0 in range(0, batch, ROWS):
+            rows = min(ROWS, batch - b0)
+            _panel_dots(w, p, x, b0, rows, sums)
+            for b in range(rows):
+                for j in range(count):
+                    _put(out[b0 + b], first + j, sums[b, j], scale, bias)
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _matvec(x, w, scale, bias, out, parts):
-    """out [B, N] = x [B, K] W^T (times the per-row scale of an int8 W) (+ bias); empty
-    scale / bias arrays mean none. Each of ``parts`` work items (numba's thread count:
-    one each) takes a contiguous share of the rows and streams it as ``LANES`` lanes at
-    once; with B > 1 the lanes' rows are read from memory once and from cache for the
-    other rows of x. (The count is an argument: calling ``numba.get_num_threads`` in
-    here would keep numba from caching the kernel.)
-
-    One row of x (every N=1 decode step) has a loop of its own: with the loop over the
-    rows of x inside the loop over weight rows, the same streams ran 8-20% slower
-    (float32, K 576 and 1536, both threads)."""
-    n = w.shape[0]
+    """out [B, N] = x [B, K] W^T (times the per-row scale of an int8 W) (+ bias); W as
+    its panels w [ceil(N / 16), K, 16]; empty scale / bias arrays mean none. Each of
+    ``parts`` work items (numba's thread count: one each) takes a contiguous share of the
+    panels. (The count is an argument: calling ``numba.get_num_threads`` in here would
+    keep numba from caching the kernel.)"""
     for part in numba.prange(parts):
-        lo, hi, q = _share(n, part, parts, LANES)
-        if x.shape[0] == 1:
-            x0, out0 = x[0], out[0]
-            for r in range(lo, lo + q):
-                d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + 4 * q, r + 5 * q,
-                          r + 6 * q, r + 7 * q, x0)
-                for j in range(LANES):
-                    _put(out0, r + j * q, d[j], scale, bias)
-        else:
-            for r in range(lo, lo + q):
-                for b in range(x.shape[0]):
-                    d = _dot8(w, r, r + q, r + 2 * q, r + 3 * q, r + 4 * q, r + 5 * q,
-                              r + 6 * q, r + 7 * q, x[b])
-                    for j in range(LANES):
-                        _put(out[b], r + j * q, d[j], scale, bias)
-        for r in range(lo + LANES * q, hi):
-            for b in range(x.shape[0]):
-                _put(out[b], r, _dot(w, r, x[b]), scale, bias)
+        lo, hi = _share(w.shape[0], part, parts)
+        _panels_into(x, w, scale, bias, out, lo, hi, np.empty((ROWS, PANEL), np.float32))
 
 
 _EMPTY = np.empty(0, np.float32)
 
 
-def row_major(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple:
-    """What a linear layer keeps for ``gemv``: numpy views of its row-major weight [N, K]
-    (float32, or int8 with its float32 scales [N]), made once so a call converts only x."""
-    arrays = (weight.contiguous().numpy(),)
-    return arrays if scale is None else arrays + (scale.float().contiguous().numpy(),)
+@numba.njit(parallel=True, cache=True)
+def _fill_panels(w, out):
+    """out [P, K, 16] = the panels of w [N, K] (rows past N zero)."""
+    n, k = w.shape
+    for p in numba.prange(out.shape[0]):
+        for j in range(PANEL):
+            r = p * PANEL + j
+            if r < n:
+                for i in range(k):
+                    out[p, i, j] = w[r, i]
+            else:
+                for i in range(k):
+                    out[p, i, j] = 0
 
 
-def gemv(x: torch.Tensor, weights: tuple) -> torch.Tensor:
-    """x: [1, K] float32, contiguous; ``weights`` from ``row_major``. Returns [1, N].
-    Runs on as many threads as numba has; ``step_arrays`` of the decode attention kernel
-    matches that to torch's once per step."""
-    out = torch.empty(1, weights[0].shape[0], dtype=torch.float32)
-    scale = weights[1] if len(weights) > 1 else _EMPTY
-    _matvec(x.numpy(), weights[0], scale, _EMPTY, out.numpy(), numba.get_num_threads())
+@dataclass(frozen=True, slots=True)
+class Panels:
+    """What a linear layer keeps for ``gemv``: its weight [N, K] as panels [ceil(N / 16),
+    K, 16] (float32, or int8 with its float32 scales [N]; empty: none), made once so a
+    call converts only x."""
+
+    weight: np.ndarray
+    scale: np.ndarray
+    rows: int  # N
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+
+def panels(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Panels:
+    """The panels of a weight [N, K] (float32, or int8 with its scales [N])."""
+    w = weight.contiguous().numpy()
+    out = np.empty(panel_shape(*w.shape), w.dtype)
+    _fill_panels(w, out)
+    scales = _EMPTY if scale is None else scale.float().contiguous().numpy()
+    return Panels(out, scales, w.shape[0])
+
+
+def gemv(x: torch.Tensor, weight: Panels) -> torch.Tensor:
+    """x: [1, K] float32, contiguous. Returns [1, N]. Runs on as many threads as numba
+    has; ``step_arrays`` of the decode attention kernel matches that to torch's once per
+    step."""
+    out = torch.empty(1, weight.rows)
+    _matvec(x.numpy(), weight.weight, weight.scale, _EMPTY, out.numpy(),
+            numba.get_num_threads())
     return out
 
 
@@ -139,6 +233,6 @@ def warm_up(int8: bool = True) -> None:
     """Compile (or load from numba's cache) the kernel for float32 weights, and for int8
     weights too when ``int8``."""
     x = torch.zeros(1, 4)
-    gemv(x, row_major(torch.zeros(2, 4)))
+    gemv(x, panels(torch.zeros(2, 4)))
     if int8:
-        gemv(x, row_major(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))
+        gemv(x, panels(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))

@@ -20,9 +20,9 @@ The plain weight is released afterwards unless something else still reads it: a 
 embedding (``keeps_weight``), or a module that opts out with ``packable = False``.
 
 With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
-``onednn`` and ``int8`` forms also keep the weight row-major (float32, or int8 with its
-scales) for one-row inputs, which ``kernels.cpu_gemv`` reads at about the memory
-bandwidth: a one-sequence decode step runs 1.2-1.4x faster, for twice the float32
+``onednn`` and ``int8`` forms also keep the weight in panels of 16 rows (float32, or int8
+with its scales; ``kernels.cpu_gemv``) for one-row inputs, which that GEMV reads at the
+memory's bandwidth: a one-sequence decode step runs 1.2-1.4x faster, for twice the float32
 weight memory (int8: half of float32's, all told). That int8 path widens the weight to
 float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``.
 """
@@ -94,11 +94,11 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, module.weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    row_major = getattr(module, "row_major_weight", None)
-    if x2.shape[0] == 1 and row_major is not None:
+    panels = getattr(module, "panel_weight", None)
+    if x2.shape[0] == 1 and panels is not None:
         from rvllm.kernels.cpu_gemv import gemv
 
-        y = gemv(x2, row_major)
+        y = gemv(x2, panels)
     elif kind == "onednn":
         if module.packed_weight is None:  # its reorder is still pending
             return F.linear(x, module.weight, bias)
@@ -151,7 +151,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     to do (a server between requests). Until its turn a layer computes with its plain
     weight (``F.linear``: the same numbers up to summation order, 1.3-1.7x slower at
     9-32 rows on this class of CPU, as fast at 128 and more), and one-row inputs read
-    the row-major copy either way. They hold the GIL and touch fresh memory: 0.25-0.5 s
+    the panels either way. They hold the GIL and touch fresh memory: 0.25-0.5 s
     of a server's start for SmolLM2."""
     from rvllm.layers.linear import LINEAR_TYPES
 
@@ -189,12 +189,12 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         kind = "onednn"
     from rvllm.layers.backend import use_numba
 
-    # One-row inputs (a decode step of one sequence) read the weight row-major through
-    # the numba GEMV, twice as fast as the packed GEMMs at one row: that copy stays too.
+    # One-row inputs (a decode step of one sequence) read the weight's panels through
+    # the numba GEMV, twice as fast as the packed GEMMs at one row: that copy is made too.
     keep_rows = use_numba() and kind in ("onednn", "int8")
     quantize = quantize_int8
     if keep_rows:
-        from rvllm.kernels.cpu_gemv import row_major
+        from rvllm.kernels.cpu_gemv import panels
         from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
     packs = []  # (module, the fbgemm call that packs its weight), run below
     deferred = []  # modules whose oneDNN reorder waits for reorder_pending
@@ -202,7 +202,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         w = m.weight.detach()
         if kind == "onednn":
             if keep_rows:
-                m.row_major_weight = row_major(w)
+                m.panel_weight = panels(w)
             m.linear_kind = kind
             if defer_reorders:
                 m.packed_weight = None  # apply_linear uses the plain weight meanwhile
@@ -219,7 +219,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             packs.append((m, partial(torch.ops.quantized.linear_prepack, _int8_tensor(q, scale),
                                      None)))
             if keep_rows:
-                m.row_major_weight = row_major(q, scale)
+                m.panel_weight = panels(q, scale)
         m.linear_kind = kind
         if not getattr(m, "keeps_weight", False):
             # Nothing reads the plain copy any more (a pending pack holds its own
@@ -240,7 +240,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
 
 def _reorder(m: nn.Module) -> None:
     """Pack ``m``'s float32 weight for oneDNN and let the plain copy go (unless something
-    else reads it; the row-major copy for one-row inputs keeps its own reference)."""
+    else reads it)."""
     m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
     if not getattr(m, "keeps_weight", False):
         m.weight.data = torch.empty(0, dtype=m.weight.dtype)

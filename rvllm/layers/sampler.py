@@ -44,8 +44,12 @@ class SamplerOutput:
 class Sampler(torch.nn.Module):
     """Samples one token per row of a [B, V] logits tensor, all rows at once."""
 
-    def forward(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Process ``logits`` [B, V] under each row's params and sample a token per row."""
+    def forward(self, logits: torch.Tensor, rows: list[SamplingRow],
+                greedy: tuple[list[int], list[float]] | None = None) -> SamplerOutput:
+        """Process ``logits`` [B, V] under each row's params and sample a token per row.
+        ``greedy``: each row's argmax and its logprob, found by the kernel that computed
+        the logits (``kernels.cpu_decoder_step.decode_logits``): taken where the greedy
+        kernels would run, in place of their pass."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}.")
         raw = logits.float()  # may alias the input: never modified in place
@@ -59,6 +63,8 @@ class Sampler(torch.nn.Module):
 
                 token_ids, logprobs = greedy_sample(raw)
                 return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
+            if greedy is not None:
+                return SamplerOutput(*greedy, None, None)
             from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
 
             return SamplerOutput(*cpu_greedy_sample(raw), None, None)

@@ -135,6 +135,17 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def step_plan(self) -> Any:
+        """The compiled decoder step's plan for these layers
+        (``kernels.cpu_decoder_step.build_plan``, made once), or None where it does not
+        cover them."""
+        plan = self.__dict__.get("_decoder_step_plan", False)
+        if plan is False:
+            from rvllm.kernels.cpu_decoder_step import build_plan
+
+            plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
+        return plan
+
     def _compiled_step(self, input_ids: torch.Tensor, positions: torch.Tensor
                        ) -> torch.Tensor | None:
         """A step through the Llama-shaped stacks the CPU kernels cover: a decode step of
@@ -142,11 +153,7 @@ class DecoderModel(nn.Module):
         (``kernels.cpu_decoder_step``), any other step as the layers' GEMMs with numba
         kernels between them (``kernels.cpu_batch_step``); None leaves it to the layers."""
         ctx = get_forward_context()
-        plan = self.__dict__.get("_decoder_step_plan", False)
-        if plan is False:
-            from rvllm.kernels.cpu_decoder_step import build_plan
-
-            plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
+        plan = self.step_plan()
         if plan is None:
             return None
         positions_np, slots = positions.numpy(), ctx.slot_mapping.numpy()
@@ -182,6 +189,24 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    def decode_logits(self, token_ids: Any, positions: Any, slots: Any, block_tables: Any,
+                      greedy: bool) -> Any:
+        """A decode step of a few sequences straight to logits in compiled CPU code
+        (``kernels.cpu_decoder_step.decode_logits``: numpy int64 token ids, positions,
+        cache slots [B] and block tables [B, W]), or None where that does not cover this
+        model or step: then ``forward`` and ``compute_logits`` run it."""
+        if (not use_numba() or type(self).forward is not CausalLM.forward
+                or type(self).compute_logits is not CausalLM.compute_logits
+                or type(self.model) is not DecoderModel):
+            return None
+        plan = self.model.step_plan()
+        if plan is None:
+            return None
+        from rvllm.kernels.cpu_decoder_step import decode_logits
+
+        return decode_logits(plan, self.lm_head, token_ids, positions, slots, block_tables,
+                             greedy)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
