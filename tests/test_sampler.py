@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, process_logits
+from rvllm.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_prompt_logprobs,
+    plain_greedy,
+    process_logits,
+)
 from rvllm.sampler import Sampler as CpuSampler
 from rvllm.sampler import apply_penalties, sample_batch
 from rvllm.sampling_params import SamplingParams
@@ -53,6 +59,28 @@ def test_numba_greedy_matches_argmax_and_log_softmax(kernel_backend: str) -> Non
     assert out.sampled_token_ids[1:3] == [7, 0]
     want = logits.log_softmax(dim=-1).gather(1, logits.argmax(dim=-1, keepdim=True))
     np.testing.assert_allclose(out.sampled_logprobs, want.squeeze(1).tolist(), atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, logprobs=2),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0, logit_bias={3: 1.0}),
+    SamplingParams(temperature=0, min_tokens=2),
+    SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[4]),
+    SamplingParams(temperature=0, repetition_penalty=1.2),
+    SamplingParams(temperature=0, presence_penalty=0.5),
+])
+@pytest.mark.parametrize("num_output_tokens", [0, 3])
+def test_plain_greedy_rows_are_those_the_sampler_takes_the_raw_argmax_of(
+        params: SamplingParams, num_output_tokens: int) -> None:
+    """The compiled CPU decode skips the sampler for ``plain_greedy`` rows: exactly those
+    whose logits ``process_logits`` leaves as they are, greedy and without logprobs."""
+    raw = torch.randn(1, 10)
+    row = SamplingRow(params, [1, 2], list(range(5, 5 + num_output_tokens)), None)
+    untouched = process_logits(raw, [row]) is raw
+    assert plain_greedy(params, num_output_tokens) == (
+        untouched and params.is_greedy and params.logprobs is None)
 
 
 def test_greedy_on_bf16_logits_equals_argmax_in_float32() -> None:

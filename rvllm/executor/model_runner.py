@@ -20,7 +20,7 @@ from rvllm.forward_context import (
     set_forward_context,
 )
 from rvllm.layers.backend import use_numba, use_triton
-from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, plain_greedy
 
 
 @dataclass(slots=True)
@@ -231,8 +231,9 @@ class ModelRunner:
     def _run_compiled_decode(self, decodes: list[ScheduledSeq]) -> Any:
         """A decode-only step on the CPU as the model's compiled call from token ids to
         logits (``CausalLM.decode_logits``), its inputs made as numpy arrays straight from
-        the sequences: no tensors, no forward context, no per-layer Python. None where the
-        model does not offer it for this step."""
+        the sequences: no tensors, no forward context, no per-layer Python. When every row
+        is ``plain_greedy`` the call finds their tokens too, and the sampler is skipped.
+        None where the model does not offer it for this step."""
         decode_logits = getattr(self.model, "decode_logits", None)
         if decode_logits is None:
             return None
@@ -247,7 +248,7 @@ class ModelRunner:
             ids[i], pos[i], slots[i] = seq.token_ids[p], p, table[p // bs] * bs + p % bs
             used = table[:width]
             tables[i, :len(used)] = used
-            greedy = greedy and seq.params.is_greedy and seq.params.logprobs is None
+            greedy = greedy and plain_greedy(seq.params, seq.num_output_tokens)
         return decode_logits(ids, pos, slots, tables, greedy)
 
     def _decode_gather(self, decodes: list[ScheduledSeq], lazy_slots: bool = False
@@ -271,10 +272,14 @@ class ModelRunner:
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
                 logits: torch.Tensor | None,
                 greedy: tuple[list[int], list[float]] | None = None) -> list[SeqStepOutput]:
-        """Each sequence's output of the step from its logits rows; ``greedy``: each
-        sampling row's argmax and its logprob where the step computed them already (the
-        sampler takes them when no row's logits are processed)."""
+        """Each sequence's output of the step from its logits rows; ``greedy``: every row
+        samples and is ``plain_greedy``, and these are their argmax tokens and logprobs
+        (the compiled decode found them): they are the samples."""
         outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
+        if greedy is not None:
+            for out, token_id, logprob in zip(outputs, *greedy):
+                out.token_id, out.logprob = token_id, logprob
+            return outputs
         for i, (first, count, next_ids) in plan.prompt.items():
             out = outputs[i]
             k = out.seq.params.prompt_logprobs or 0
@@ -291,7 +296,7 @@ class ModelRunner:
                             o.seq.generator)
                 for o in sampling
             ]
-            result = self.sampler(logits[plan.sample_offset:], rows, greedy)
+            result = self.sampler(logits[plan.sample_offset:], rows)
             for j, o in enumerate(sampling):
                 o.token_id = result.sampled_token_ids[j]
                 o.logprob = result.sampled_logprobs[j]

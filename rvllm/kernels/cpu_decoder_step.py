@@ -252,6 +252,31 @@ def _head_greedy(x, w, scale, logits, token_ids, logprobs, parts):
         token_ids[b], logprobs[b] = best, -np.log(total)
 
 
+@numba.njit(fastmath=True, cache=True)
+def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b,
+                    norms2, gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter,
+                    key_cache, value_cache, windows, tables, positions, slots, cos_table,
+                    sin_table, num_heads, num_kv_heads, head_dim, scale, eps, final_norm,
+                    head_w, head_s, logits, greedy_ids, greedy_logprobs, parts):
+    """``_decoder_step`` from the token ids' rows of the embedding [V, H], then the LM
+    head's logits [B, V] (panels head_w, int8 scales head_s) into ``logits``; with
+    greedy_ids / greedy_logprobs of length B (not 0), each row's greedy token and its
+    logprob too (``_head_greedy``)."""
+    rows, size = token_ids.shape[0], embedding.shape[1]
+    hidden = np.empty((rows, size), np.float32)
+    for b in range(rows):
+        hidden[b] = embedding[token_ids[b]]
+    final = np.empty((rows, size), np.float32)
+    _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
+                  gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
+                  windows, tables, positions, slots, cos_table, sin_table, num_heads,
+                  num_kv_heads, head_dim, scale, eps, final_norm, final, parts)
+    if greedy_ids.shape[0] > 0:
+        _head_greedy(final, head_w, head_s, logits, greedy_ids, greedy_logprobs, parts)
+    else:
+        _matvec(final, head_w, head_s, np.empty(0, np.float32), logits, parts)
+
+
 def _linears(modules: list[nn.Module]) -> tuple | None:
     """One projection of every layer: its panels' addresses (int64 [L]), the panels
     themselves (``cpu_gemv.Panels``, kept alive with the plan), their element type as an
@@ -343,7 +368,8 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     from rvllm.models.llama import LlamaAttention, LlamaMLP
 
     layers = list(decoder.layers)
-    if get_tp_size() != 1 or type(decoder.norm) is not RMSNorm or not layers:
+    if (get_tp_size() != 1 or type(decoder.norm) is not RMSNorm or not layers
+            or decoder.embed_tokens.weight.dtype != torch.float32):
         return None
     first = layers[0]
     for layer in layers:
@@ -402,24 +428,11 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
         "final_norm": decoder.norm.weight.detach().numpy(),
         "embedding": decoder.embed_tokens.weight.detach(),
+        "embedding_rows": decoder.embed_tokens.weight.detach().numpy(),
         "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
         "inter": inter,
     })
     return DecoderStepPlan(layers, attrs)
-
-
-def _run_layers(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
-                token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                block_tables: np.ndarray, out: np.ndarray) -> None:
-    """``_decoder_step`` on the tokens' embeddings; the final hidden states go to out."""
-    match_torch_threads()
-    hidden = plan.embedding.numpy()[token_ids]  # a copy: the residual stream
-    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
-                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
-                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
-                  plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
-                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
-                  plan.final_norm, out, numba.get_num_threads())
 
 
 def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.ndarray,
@@ -431,8 +444,15 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     caches = plan.caches()
     if caches is None or token_ids.shape[0] > plan.max_rows:
         return None
-    out = torch.empty((token_ids.shape[0], plan.final_norm.shape[0]), dtype=torch.float32)
-    _run_layers(plan, caches, token_ids.numpy(), positions, slots, block_tables, out.numpy())
+    match_torch_threads()
+    hidden = plan.embedding[token_ids].numpy()  # a copy: the residual stream
+    out = torch.empty(hidden.shape, dtype=torch.float32)
+    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
+                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
+                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
+                  plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
+                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
+                  plan.final_norm, out.numpy(), numba.get_num_threads())
     return out
 
 
@@ -448,25 +468,33 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
                   positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
                   greedy: bool) -> DecodeLogits | None:
     """A decode step of B sequences (arguments as ``decoder_step``'s, token ids int64
-    [B]) through the layers and the LM head in two compiled calls, no tensor made on the
-    way: the logits, and with ``greedy`` each row's argmax token and its logprob, found
-    by the threads that computed the logits. None when this path does not cover the step
-    (the caller takes the general one)."""
+    [B]) from the token ids through the layers and the LM head in one compiled call: the
+    logits, and with ``greedy`` each row's argmax token and its logprob, found by the
+    threads that computed the logits. None when this path does not cover the step (the
+    caller takes the general one).
+
+    After a step has streamed the weights through the caches, every line of Python runs
+    on code and data fetched from memory again: at N=1 the two calls and tensors of
+    ``decoder_step`` plus ``compute_logits`` and the sampler's pass cost 0.5-0.8 ms of
+    a 9 ms step (the random Llama, 2-core Zen 5); here what is left of them is the call."""
     caches, head = plan.caches(), plan.head(lm_head)
     rows = token_ids.shape[0]
     if caches is None or head is None or rows > plan.max_rows:
         return None
     if plan._logits is None:
         plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
-    final = np.empty((rows, plan.final_norm.shape[0]), np.float32)
-    _run_layers(plan, caches, token_ids, positions, slots, block_tables, final)
-    logits, parts = plan._logits[:rows], numba.get_num_threads()
-    if not greedy:
-        _matvec(final, head.weight, head.scale, _NO_BIAS, logits, parts)
-        return DecodeLogits(torch.from_numpy(logits), None)
-    ids, logprobs = np.empty(rows, np.int64), np.empty(rows, np.float32)
-    _head_greedy(final, head.weight, head.scale, logits, ids, logprobs, parts)
-    return DecodeLogits(torch.from_numpy(logits), (ids.tolist(), logprobs.tolist()))
+    logits = plan._logits[:rows]
+    ids, logprobs = np.empty(rows if greedy else 0, np.int64), np.empty(rows, np.float32)
+    match_torch_threads()
+    _step_to_logits(plan.embedding_rows, token_ids, plan.norms1, plan.qkv_w, plan.qkv_s,
+                    plan.qkv_b, plan.o_w, plan.o_s, plan.o_b, plan.norms2, plan.gu_w,
+                    plan.gu_s, plan.gu_b, plan.down_w, plan.down_s, plan.down_b, plan.like,
+                    plan.inter, *caches, plan.windows, block_tables, positions, slots,
+                    plan.cos, plan.sin, plan.num_heads, plan.num_kv_heads, plan.head_dim,
+                    plan.scale, plan.eps, plan.final_norm, head.weight, head.scale, logits,
+                    ids, logprobs, numba.get_num_threads())
+    return DecodeLogits(torch.from_numpy(logits),
+                        (ids.tolist(), logprobs.tolist()) if greedy else None)
 
 
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
@@ -487,16 +515,16 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
         cache = kv_array(torch.zeros((1, 1, 4, kv_heads, dim), dtype=kv_dtype))
         rope = np.ones((4, dim), np.float32)
         zeros = np.zeros(1, np.int64)
-        _decoder_step(np.zeros((1, hidden), np.float32), ones,
-                      *linear((heads + 2 * kv_heads) * dim, hidden),
-                      *linear(hidden, heads * dim), ones, *linear(2 * inter, hidden),
-                      *linear(hidden, inter), np.empty(0, dtype), inter, cache, cache,
-                      zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
-                      kv_heads, dim, np.float32(1.0), np.float32(1e-6),
-                      np.ones(hidden, np.float32), np.empty((1, hidden), np.float32),
-                      numba.get_num_threads())
+        layers = (ones, *linear((heads + 2 * kv_heads) * dim, hidden),
+                  *linear(hidden, heads * dim), ones, *linear(2 * inter, hidden),
+                  *linear(hidden, inter), np.empty(0, dtype), inter, cache, cache,
+                  zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
+                  kv_heads, dim, np.float32(1.0), np.float32(1e-6),
+                  np.ones(hidden, np.float32))
+        _decoder_step(np.zeros((1, hidden), np.float32), *layers,
+                      np.empty((1, hidden), np.float32), numba.get_num_threads())
         head = np.zeros(panel_shape(20, hidden), dtype)
         scale = np.ones(20 if dtype is np.int8 else 0, np.float32)
-        _head_greedy(np.ones((1, hidden), np.float32), head, scale,
-                     np.empty((1, 20), np.float32), np.empty(1, np.int64),
-                     np.empty(1, np.float32), numba.get_num_threads())
+        _step_to_logits(np.zeros((20, hidden), np.float32), zeros, *layers, head, scale,
+                        np.empty((1, 20), np.float32), np.empty(1, np.int64),
+                        np.empty(1, np.float32), numba.get_num_threads())

@@ -44,12 +44,8 @@ class SamplerOutput:
 class Sampler(torch.nn.Module):
     """Samples one token per row of a [B, V] logits tensor, all rows at once."""
 
-    def forward(self, logits: torch.Tensor, rows: list[SamplingRow],
-                greedy: tuple[list[int], list[float]] | None = None) -> SamplerOutput:
-        """Process ``logits`` [B, V] under each row's params and sample a token per row.
-        ``greedy``: each row's argmax and its logprob, found by the kernel that computed
-        the logits (``kernels.cpu_decoder_step.decode_logits``): taken where the greedy
-        kernels would run, in place of their pass."""
+    def forward(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Process ``logits`` [B, V] under each row's params and sample a token per row."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)}.")
         raw = logits.float()  # may alias the input: never modified in place
@@ -63,13 +59,19 @@ class Sampler(torch.nn.Module):
 
                 token_ids, logprobs = greedy_sample(raw)
                 return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
-            if greedy is not None:
-                return SamplerOutput(*greedy, None, None)
             from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
 
             return SamplerOutput(*cpu_greedy_sample(raw), None, None)
         token_ids = _sample(processed, rows)
         return _make_output(raw, token_ids, rows)
+
+
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's token is the argmax of its raw logits and nothing else is asked of
+    it: greedy, no logprobs, and nothing for ``process_logits`` to do (no logit_bias, not
+    under min_tokens, no penalties)."""
+    return (params.is_greedy and params.logprobs is None and not params.logit_bias
+            and num_output_tokens >= params.min_tokens and not params.needs_penalties)
 
 
 def process_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
