@@ -182,17 +182,16 @@ _EMPTY = np.empty(0, np.float32)
 
 @numba.njit(parallel=True, cache=True)
 def _fill_panels(w, out):
-    """out [P, K, 16] = the panels of w [N, K] (rows past N zero)."""
+    """out [P, K, 16] = the panels of w [N, K] (rows past N zero). Written in order, a
+    column of 16 rows at a time: 538 MB of SmolLM2's weights in 0.06 s, against 0.4 s
+    writing each row's column down the panel (a store every 64 bytes)."""
     n, k = w.shape
     for p in numba.prange(out.shape[0]):
-        for j in range(PANEL):
-            r = p * PANEL + j
-            if r < n:
-                for i in range(k):
-                    out[p, i, j] = w[r, i]
-            else:
-                for i in range(k):
-                    out[p, i, j] = 0
+        first = p * PANEL
+        rows = min(PANEL, n - first)
+        for i in range(k):
+            for j in range(PANEL):
+                out[p, i, j] = w[first + j, i] if j < rows else 0
 
 
 @dataclass(frozen=True, slots=True)
