@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from rvllm.forward_context import (
 )
 from rvllm.layers.backend import use_numba, use_triton
 from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, plain_greedy
+
+if TYPE_CHECKING:
+    from rvllm.kernels.cpu_decoder_step import DecodeLogits
 
 
 @dataclass(slots=True)
@@ -228,7 +231,7 @@ class ModelRunner:
         tables = [s.seq.block_table[: (n - 1) // bs + 1] for s, n in zip(decodes, lens)]
         return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
 
-    def _run_compiled_decode(self, decodes: list[ScheduledSeq]) -> Any:
+    def _run_compiled_decode(self, decodes: list[ScheduledSeq]) -> DecodeLogits | None:
         """A decode-only step on the CPU as the model's compiled call from token ids to
         logits (``CausalLM.decode_logits``), its inputs made as numpy arrays straight from
         the sequences: no tensors, no forward context, no per-layer Python. When every row

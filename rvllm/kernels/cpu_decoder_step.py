@@ -42,11 +42,11 @@ from rvllm.kernels.cpu_decode_attention import _paged_decode, num_splits_for
 from rvllm.kernels.cpu_gemv import (
     PANEL,
     ROWS,
+    Panels,
     _matvec,
     _panel_dots,
     _panels_into,
     _share,
-    Panels,
     panel_shape,
 )
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
@@ -74,7 +74,6 @@ def _weight(addresses, layer, like, rows, cols):
 
 # Decode steps of at most this many sequences run here (float32 weights, int8 weights).
 MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
-_NO_BIAS = np.empty(0, np.float32)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")

@@ -5,7 +5,7 @@ expert-weight loading for the mixtures of experts)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,11 @@ from rvllm.layers.backend import use_numba
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from rvllm.kernels.cpu_decoder_step import DecodeLogits, DecoderStepPlan
 
 # (our fused parameter's name piece, the checkpoint's name piece, shard id)
 StackedParams = Sequence[tuple[str, str, int | str]]
@@ -135,7 +140,7 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def step_plan(self) -> Any:
+    def step_plan(self) -> DecoderStepPlan | None:
         """The compiled decoder step's plan for these layers
         (``kernels.cpu_decoder_step.build_plan``, made once), or None where it does not
         cover them."""
@@ -190,8 +195,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
-    def decode_logits(self, token_ids: Any, positions: Any, slots: Any, block_tables: Any,
-                      greedy: bool) -> Any:
+    def decode_logits(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      block_tables: np.ndarray, greedy: bool) -> DecodeLogits | None:
         """A decode step of a few sequences straight to logits in compiled CPU code
         (``kernels.cpu_decoder_step.decode_logits``: numpy int64 token ids, positions,
         cache slots [B] and block tables [B, W]), or None where that does not cover this
