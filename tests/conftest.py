@@ -59,12 +59,13 @@ def build_tokenizer(out_dir: Path) -> None:
     hf.save_pretrained(out_dir)
 
 
-def build_model(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0) -> Path:
+def build_model(arch: str, out_dir: Path, vocab_size: int = 512, seed: int = 0,
+                max_positions: int = 256) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=arch == "qwen2",
         bos_token_id=0, eos_token_id=2,
     )
@@ -101,6 +102,19 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
+
+
+# Tokens a request generates in the tests that kill an engine while it is generating:
+# the kill must land mid-stream, and on the test models a compiled CPU decode step takes
+# a fraction of a millisecond (240 tokens were done before the test had read the first).
+LONG_TOKENS = 3000
+
+
+@pytest.fixture(scope="session")
+def long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama test model with room for LONG_TOKENS-token requests."""
+    return build_model("llama", tmp_path_factory.mktemp("models") / "long-llama",
+                       max_positions=4096)
 
 
 def smollm2_gguf() -> Path | None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import LONG_TOKENS
 from test_engine import make_prompts
 
 from rvllm import LLM, SamplingParams
@@ -24,7 +25,7 @@ from rvllm.tokenizer import Tokenizer
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Long enough that a replica killed after the first token is still generating.
-LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)  # long_llama_dir
 
 
 async def _run_all(engine: DataParallelEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -153,8 +154,8 @@ def test_in_process_replicas_still_work(llama_dir: Path, expected: list[list[int
         engine.shutdown()
 
 
-def test_killed_replica_fails_its_requests_and_is_restarted(llama_dir: Path) -> None:
-    engine = DataParallelEngine.from_engine_args(EngineArgs(model=str(llama_dir)), 2)
+def test_killed_replica_fails_its_requests_and_is_restarted(long_llama_dir: Path) -> None:
+    engine = DataParallelEngine.from_engine_args(EngineArgs(model=str(long_llama_dir)), 2)
     victim = engine.replicas[0]
 
     async def scenario() -> None:
@@ -168,7 +169,7 @@ def test_killed_replica_fails_its_requests_and_is_restarted(llama_dir: Path) -> 
                                            return_exceptions=True)
         assert isinstance(dead, EngineDeadError) and "died" in str(dead)
         assert time.monotonic() - killed < 5
-        assert isinstance(alive, RequestOutput) and len(alive.outputs[0].token_ids) == 240
+        assert isinstance(alive, RequestOutput) and len(alive.outputs[0].token_ids) == LONG_TOKENS
         # While replica 0 restarts, the survivor takes the new requests.
         during = await _last(engine.generate([8, 9], PARAMS, "during"))
         assert len(during.outputs[0].token_ids) == 12
@@ -198,13 +199,13 @@ def test_killed_replica_fails_its_requests_and_is_restarted(llama_dir: Path) -> 
     try:
         asyncio.run(scenario())
         assert _wait(lambda: engine.replica_loads() == [0, 0], 5)
-        assert engine.snapshot().generation_tokens >= 240 + 3 * 12  # counters survive
+        assert engine.snapshot().generation_tokens >= LONG_TOKENS + 3 * 12  # counters survive
     finally:
         engine.shutdown()
 
 
-def test_lone_process_engine_death_is_fatal(llama_dir: Path) -> None:
-    engine = ProcessEngine.from_engine_args(EngineArgs(model=str(llama_dir)))
+def test_lone_process_engine_death_is_fatal(long_llama_dir: Path) -> None:
+    engine = ProcessEngine.from_engine_args(EngineArgs(model=str(long_llama_dir)))
     fatal = threading.Event()
     engine.on_fatal = lambda _error: fatal.set()
 

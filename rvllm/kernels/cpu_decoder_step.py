@@ -18,6 +18,11 @@ on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GE
 quantize the activations too; here every int8 weight is widened to float32), and
 ``cpu_batch_step`` runs the step with them.
 
+``decode_logits`` (the model runner's decode-only steps) goes on in the same call from
+the token ids' embedding rows through the LM head to the logits, and to each row's greedy
+token where that is all a row asks for; ``decoder_step`` stops at the final hidden states
+(the model's forward).
+
 It serves models built exactly from ``PreNormDecoderLayer(LlamaAttention, LlamaMLP)``
 with plain RMSNorms (Llama, Mistral, Qwen2), float32 activations, linear layers that
 keep their weights in panels for one-row inputs (float32, or int8 with per-row scales, as
