@@ -154,13 +154,13 @@ class ModelRunner:
         ordered = decodes + prefills
         plan = _plan_logits(ordered)
         graphs = self.decode_graphs
-        if (graphs is not None and not prefills and self.tp_group is None
-                and len(decodes) <= graphs.max_batch and not plan.prompt
-                and plan.rows == list(range(len(decodes)))):
+        # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
+        decode_only = bool(decodes and not prefills and self.tp_group is None
+                           and not plan.prompt and plan.rows == list(range(len(decodes))))
+        if decode_only and graphs is not None and len(decodes) <= graphs.max_batch:
             logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
-        if (decodes and not prefills and self.tp_group is None and not plan.prompt
-                and use_numba() and plan.rows == list(range(len(decodes)))):
+        if decode_only and use_numba():
             compiled = self._run_compiled_decode(decodes)
             if compiled is not None:
                 return self._sample(ordered, plan, compiled.logits, compiled.greedy)

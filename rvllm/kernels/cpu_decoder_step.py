@@ -432,11 +432,21 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
         "final_norm": decoder.norm.weight.detach().numpy(),
         "embedding": decoder.embed_tokens.weight.detach(),
-        "embedding_rows": decoder.embed_tokens.weight.detach().numpy(),
         "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
         "inter": inter,
     })
     return DecoderStepPlan(layers, attrs)
+
+
+def _layer_args(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
+                block_tables: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple:
+    """``_decoder_step``'s arguments from ``norms1`` to ``final_norm``, as both of its
+    callers pass them."""
+    return (plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w, plan.o_s, plan.o_b,
+            plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b, plan.down_w, plan.down_s,
+            plan.down_b, plan.like, plan.inter, *caches, plan.windows, block_tables,
+            positions, slots, plan.cos, plan.sin, plan.num_heads, plan.num_kv_heads,
+            plan.head_dim, plan.scale, plan.eps, plan.final_norm)
 
 
 def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.ndarray,
@@ -451,12 +461,8 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     match_torch_threads()
     hidden = plan.embedding[token_ids].numpy()  # a copy: the residual stream
     out = torch.empty(hidden.shape, dtype=torch.float32)
-    _decoder_step(hidden, plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w,
-                  plan.o_s, plan.o_b, plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b,
-                  plan.down_w, plan.down_s, plan.down_b, plan.like, plan.inter, *caches,
-                  plan.windows, block_tables, positions, slots, plan.cos, plan.sin,
-                  plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.scale, plan.eps,
-                  plan.final_norm, out.numpy(), numba.get_num_threads())
+    _decoder_step(hidden, *_layer_args(plan, caches, block_tables, positions, slots),
+                  out.numpy(), numba.get_num_threads())
     return out
 
 
@@ -490,13 +496,9 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
     logits = plan._logits[:rows]
     ids, logprobs = np.empty(rows if greedy else 0, np.int64), np.empty(rows, np.float32)
     match_torch_threads()
-    _step_to_logits(plan.embedding_rows, token_ids, plan.norms1, plan.qkv_w, plan.qkv_s,
-                    plan.qkv_b, plan.o_w, plan.o_s, plan.o_b, plan.norms2, plan.gu_w,
-                    plan.gu_s, plan.gu_b, plan.down_w, plan.down_s, plan.down_b, plan.like,
-                    plan.inter, *caches, plan.windows, block_tables, positions, slots,
-                    plan.cos, plan.sin, plan.num_heads, plan.num_kv_heads, plan.head_dim,
-                    plan.scale, plan.eps, plan.final_norm, head.weight, head.scale, logits,
-                    ids, logprobs, numba.get_num_threads())
+    _step_to_logits(plan.embedding.numpy(), token_ids,
+                    *_layer_args(plan, caches, block_tables, positions, slots), head.weight,
+                    head.scale, logits, ids, logprobs, numba.get_num_threads())
     return DecodeLogits(torch.from_numpy(logits),
                         (ids.tolist(), logprobs.tolist()) if greedy else None)
 
