@@ -4,8 +4,9 @@ A one-sequence decode step reads every linear layer's weight once: its speed is 
 by the memory's read bandwidth. This prints the weight bytes a step reads, then
 alternates two measurements so a drift in the machine's speed reaches both alike:
 - a read of a buffer of the same size by numba on every thread, as eight streams a
-  thread and as one, in turns (the faster of the two is the limit: on an Intel machine
-  eight streams read 25-30% more, on an AMD Zen 4 one read 10-20% more);
+  thread, as one, and as four streams of 16-lane vector loads, in turns (the fastest is
+  the limit: on an Intel machine eight streams read 25-30% more than one, on an AMD Zen 4
+  one read 10-20% more, on a 2-core Zen 3 the vector streams were 0-5% faster than eight);
 - ``--steps`` decode steps of one sequence through the engine (``LLMEngine.step``, the
   sampling and Python included).
 Each step's weight bytes over its median time, as a share of the faster read's median rate, is
@@ -22,9 +23,52 @@ import time
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from rvllm import LLM, SamplingParams
+from rvllm.kernels.cpu_vectors import _FAST, _VEC, LANES, _int, _vector_at
+
+STREAMS = 4
+
+
+@intrinsic
+def _vector_streams(typingctx, address, stride, lines, out):
+    """out[0:16] = the sum of ``lines`` 64-byte lines (16 float32) from each of STREAMS
+    streams at address + s * stride (bytes), read side by side a line of each in turn."""
+    def codegen(context, builder, signature, args):
+        address, stride, lines, out = args
+        zero = ir.Constant(_VEC, [0.0] * LANES)
+        sums = [cgutils.alloca_once_value(builder, zero) for _ in range(STREAMS)]
+        with cgutils.for_range(builder, lines) as loop:
+            offset = builder.mul(loop.index, _int(LANES))
+            for s in range(STREAMS):
+                start = builder.add(address, builder.mul(stride, _int(s)))
+                line = builder.load(_vector_at(builder, start, offset), align=4)
+                builder.store(builder.fadd(builder.load(sums[s]), line, flags=_FAST), sums[s])
+        total = builder.load(sums[0])
+        for s in range(1, STREAMS):
+            total = builder.fadd(total, builder.load(sums[s]), flags=_FAST)
+        builder.store(total, _vector_at(builder, out, _int(0)), align=4)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@numba.njit(parallel=True)
+def read_vectors(buf, parts):
+    """Sum of buf [R, C] (float32, C-contiguous): each of ``parts`` threads reads its share
+    as STREAMS streams of 16-lane vector loads (what the one-row GEMV's panel passes do,
+    without the arithmetic)."""
+    flat = buf.reshape(-1)
+    totals = np.zeros((parts, LANES), np.float32)
+    for part in prange(parts):
+        lo = flat.shape[0] * part // parts
+        lines = (flat.shape[0] * (part + 1) // parts - lo) // LANES // STREAMS
+        _vector_streams(flat.ctypes.data + lo * 4, lines * LANES * 4, lines,
+                        totals[part].ctypes.data)
+    return totals.sum()
 
 
 @numba.njit(parallel=True, fastmath=True)
@@ -88,7 +132,8 @@ def main() -> None:
         raise SystemExit("this model keeps no weight panels (not the numba one-row path)")
     buf = np.random.default_rng(0).random((nbytes // 4096, 1024), dtype=np.float32)
     parts = numba.get_num_threads()
-    reads = {"eight streams a thread": (read_streams, []), "one stream a thread": (read_stream, [])}
+    reads = {"eight streams a thread": (read_streams, []), "one stream a thread": (read_stream, []),
+             f"{STREAMS} vector streams a thread": (read_vectors, [])}
     for read, _ in reads.values():
         read(buf, parts)
     params = SamplingParams(temperature=0, max_tokens=ns.rounds * ns.steps + 8,

@@ -283,7 +283,7 @@ def test_panel_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
 
     gen = torch.Generator().manual_seed(parts * 10 + rows)
     empty = torch.empty(0).numpy()
-    for n, k in ((5, 40), (16, 41), (48, 40), (67, 7), (130, 40)):
+    for n, k in ((5, 40), (16, 41), (48, 40), (67, 7), (130, 40), (160, 24)):
         x = torch.randn(rows, k, generator=gen)
         if int8:
             q = torch.randint(-127, 128, (2 * n, k), generator=gen, dtype=torch.int8)

@@ -49,6 +49,18 @@ def test_the_cpu_cache_asks_for_huge_pages_and_works_as_any_tensor() -> None:
     assert empty_cpu_cache((3, 5), torch.bfloat16).shape == (3, 5)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_weight_panels_ask_for_huge_pages() -> None:
+    """The one-row GEMV streams its panels (``kernels.cpu_gemv``): they sit in huge pages
+    too, and hold the weight's numbers."""
+    from rvllm.kernels.cpu_gemv import PANEL, panels
+
+    weight = torch.randn(1024, 1024)  # 4 MiB of panels
+    copy = panels(weight)
+    assert "hg" in _vm_flags(copy.weight.ctypes.data + (2 << 20))
+    assert torch.equal(torch.from_numpy(copy.weight[3, :, 5]), weight[3 * PANEL + 5])
+
+
 def test_budget_is_the_smaller_of_utilization_and_reserve_less_the_peak() -> None:
     assert gpu_kv_budget(100 * GiB, 20 * GiB, 0.9, 0) == 70 * GiB
     # Utilization 1.0 is safe with a reserve: the reserve wins.

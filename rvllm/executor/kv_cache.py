@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from rvllm.kernels.host_memory import empty_huge_pages
 
 
 def bytes_per_block(model: ModelConfig, block_size: int,
@@ -94,31 +91,12 @@ def blocks_for_budget(budget: float, per_block: int, model: ModelConfig, cache: 
     return num_blocks
 
 
-_MADV_HUGEPAGE = 14  # Linux
-_HUGE_PAGE = 2 << 20
-
-
 def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for KV-cache blocks whose memory the kernel is asked to
-    back with transparent huge pages (``madvise(MADV_HUGEPAGE)`` on its whole 2 MiB
-    pages, before anything touches them; where THP is ``never``, or off Linux, nothing
-    changes). A decode step writes each layer's new keys and values into blocks far
-    apart, and attention reads blocks anywhere in the cache: with 4 KiB pages, each
-    write landed on a page the TLB did not hold, its page walk through tables pushed out
-    of the caches by the weights streaming past. At N=1 on the random Llama (2 cores)
+    """An uninitialised CPU tensor for KV-cache blocks, asked to be huge pages
+    (``kernels.host_memory``). A decode step writes each layer's new keys and values into
+    blocks far apart, and attention reads blocks anywhere in the cache: with 4 KiB pages,
+    each write landed on a page the TLB did not hold, its page walk through tables pushed
+    out of the caches by the weights streaming past. At N=1 on the random Llama (2 cores)
     the keys and values' writes took 0.19-0.23 ms of a 17-19 ms step; with huge pages,
     0.03-0.05 ms."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if sys.platform.startswith("linux"):
-        start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE \
-            * _HUGE_PAGE
-        if end > start:
-            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                            _MADV_HUGEPAGE)
-    return tensor
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return empty_huge_pages(shape, dtype)

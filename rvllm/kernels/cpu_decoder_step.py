@@ -47,11 +47,13 @@ from rvllm.kernels.cpu_decode_attention import _paged_decode, num_splits_for
 from rvllm.kernels.cpu_gemv import (
     PANEL,
     ROWS,
+    SUMS,
     Panels,
+    _group_dots,
     _matvec,
-    _panel_dots,
     _panels_into,
     _share,
+    _streams,
     panel_shape,
 )
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
@@ -94,27 +96,41 @@ def _silu_put(out, r, g, u, scale, bias, inter):
     out[r] = g / (np.float32(1.0) + exp32(-g)) * u
 
 
+@numba.njit(fastmath=True, cache=True, inline="always")
+def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
+    """Rows 16p.. of out[b0 + b] for b < rows: gate and up panel pair t of a pass's sums
+    (``cpu_gemv._group_dots``: the gate's at 2t, the up's at 2t + 1)."""
+    for b in range(rows):
+        for j in range(PANEL):
+            _silu_put(out[b0 + b], p * PANEL + j, sums[2 * t * rows + b, j],
+                      sums[(2 * t + 1) * rows + b, j], scale, bias, inter)
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _gate_up_silu(x, w, scale, bias, out, parts):
     """The merged gate/up projection (rows [0, I) gate, [I, 2I) up; its panels w, I a
     multiple of 16) and SiLU(gate) * up: the [B, 2I] intermediate never exists. Each
-    thread streams its share of the gate panels and the up panels beside them, two
-    streams; ``parts`` as ``cpu_gemv._matvec``'s."""
+    thread takes a share of the gate panels and the up panels beside them, read side by
+    side: with one row of x two runs of its share, four streams (gate and up of each),
+    else two; ``parts`` as ``cpu_gemv._matvec``'s."""
     inter, batch = out.shape[1], x.shape[0]
     gate_panels = inter // PANEL
+    pairs = _streams(batch) // 2
     for part in prange(parts):
         lo, hi = _share(gate_panels, part, parts)
-        gates = np.empty((ROWS, PANEL), np.float32)
-        ups = np.empty((ROWS, PANEL), np.float32)
-        for p in range(lo, hi):
+        sums = np.empty((SUMS, PANEL), np.float32)
+        run = (hi - lo) // pairs
+        for j in range(run):
             for b0 in range(0, batch, ROWS):
                 rows = min(ROWS, batch - b0)
-                _panel_dots(w, p, x, b0, rows, gates)
-                _panel_dots(w, p + gate_panels, x, b0, rows, ups)
-                for b in range(rows):
-                    for j in range(PANEL):
-                        _silu_put(out[b0 + b], p * PANEL + j, gates[b, j], ups[b, j],
-                                  scale, bias, inter)
+                _group_dots(w, lo + j, gate_panels, run, 2 * pairs, x, b0, rows, sums)
+                for t in range(pairs):
+                    _silu_panel(out, lo + j + t * run, t, rows, b0, sums, scale, bias, inter)
+        for p in range(lo + pairs * run, hi):
+            for b0 in range(0, batch, ROWS):
+                rows = min(ROWS, batch - b0)
+                _group_dots(w, p, gate_panels, 0, 2, x, b0, rows, sums)
+                _silu_panel(out, p, 0, rows, b0, sums, scale, bias, inter)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -213,7 +229,7 @@ def _logits_by_part(x, w, scale, logits, tops, firsts, totals, parts):
     for part in prange(parts):
         lo, hi = _share(w.shape[0], part, parts)
         _panels_into(x, w, scale, np.empty(0, np.float32), logits, lo, hi,
-                     np.empty((ROWS, PANEL), np.float32))
+                     np.empty((SUMS, PANEL), np.float32))
         r0, r1 = lo * PANEL, min(hi * PANEL, vocab)
         for b in range(batch):
             firsts[part, b] = -1

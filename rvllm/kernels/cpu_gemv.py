@@ -11,12 +11,19 @@ inputs come here.
 16p..16p+15, column by column, so one 16-lane vector of a panel is one column of those
 rows (rows past N are zeros). A panel is then a dot product of x with 16 rows at once
 without any horizontal sum: for each column i, one vector load of the panel and one
-multiply-add with x[i] broadcast. Each thread reads its share of the panels in memory
-order, one stream, two instructions a 64-byte line. Row-major rows need a load of x beside
-each load of the weight and a horizontal sum per row; read that way (one row after
-another, or eight rows far apart at once) the same weights came in at 46-51 GB/s on a
-2-core AMD Zen 5 where a plain read of them ran at 58-62, and the panels at 64-67
-(SmolLM2-shaped and random-Llama-shaped stacks, alternated).
+multiply-add with x[i] broadcast. Row-major rows need a load of x beside each load of the
+weight and a horizontal sum per row; read that way (one row after another, or eight rows
+far apart at once) the same weights came in at 46-51 GB/s on a 2-core AMD Zen 5 where a
+plain read of them ran at 58-62, and the panels at 64-67 (SmolLM2-shaped and
+random-Llama-shaped stacks, alternated).
+
+**Streams.** Each thread cuts its share of the panels into four runs (two with more than
+one row of x) and reads them side by side, a column of each in turn: four streams a
+thread, each in memory order, whose sums are the independent chains of multiply-adds. On
+a 2-core AMD Zen 3 one stream a thread came in at 19-20 GB/s where four came in at 25-30
+and a plain read at 25-33 (400 MB of random-Llama-shaped panels, alternated): its
+prefetchers keep one stream a thread from filling the memory's queues. The panels sit in
+transparent huge pages (``host_memory``): no TLB miss every 4 KiB of a stream.
 
 - float32 weight [N, K];
 - int8 weight [N, K] with one float32 scale per output row; the activations stay
@@ -43,9 +50,11 @@ from numba.extending import intrinsic
 
 from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu_vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
+from rvllm.kernels.host_memory import empty_huge_pages
 
 PANEL = LANES  # output rows a panel holds: one vector of each column
 ROWS = 4  # rows of x a panel's pass takes at most (their sums stay in registers)
+SUMS = 2 * ROWS  # rows of a pass's scratch: two streams of ROWS rows, or four of one
 
 
 def panel_shape(rows: int, cols: int) -> tuple[int, int, int]:
@@ -115,10 +124,64 @@ def _panel_pass(rows: int):
 _pass1, _pass2, _pass3, _pass4 = (_panel_pass(rows) for rows in range(1, ROWS + 1))
 
 
+def _stream_pass(rows: int, streams: int):
+    """An intrinsic: out[s * rows + b, 0:16] = x[b] . the 16 rows of panel s, for s <
+    ``streams`` (2 or 4) panels read side by side, a column of each in turn: panel s at
+    the address w + (s % 2) * inner + (s // 2) * outer (bytes); the rest as
+    ``_panel_pass``. One sum a row and panel: the streams are the independent chains."""
+
+    @intrinsic
+    def stream_pass(typingctx, w, inner, outer, x, x_step, k, out, like):
+        int8 = like.dtype == types.int8
+
+        def codegen(context, builder, signature, args):
+            w, inner, outer, x, x_step, k, out, _ = args
+            zero = ir.Constant(_VEC, [0.0] * LANES)
+            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
+                    for _ in range(streams)]
+            starts = [builder.add(builder.add(w, builder.mul(inner, _int(s % 2))),
+                                  builder.mul(outer, _int(s // 2))) for s in range(streams)]
+            with cgutils.for_range(builder, k) as loop:
+                i = loop.index
+                xs = []
+                for b in range(rows):
+                    x_at = builder.add(builder.add(x, builder.mul(_int(b), x_step)),
+                                       builder.mul(i, _int(4)))
+                    xs.append(_splat(builder, builder.load(builder.inttoptr(
+                        x_at, _F32.as_pointer()), align=4)))
+                for s in range(streams):
+                    wv = _panel_column(builder, starts[s], i, int8)
+                    for b in range(rows):
+                        builder.store(_fma(builder, xs[b], wv, builder.load(sums[s][b])),
+                                      sums[s][b])
+            for s in range(streams):
+                for b in range(rows):
+                    builder.store(builder.load(sums[s][b]),
+                                  _vector_at(builder, out, _int((s * rows + b) * PANEL)),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
+                          types.int64, types.int64, like), codegen
+
+    return stream_pass
+
+
+_s4r1 = _stream_pass(1, 4)
+_s2r1, _s2r2, _s2r3, _s2r4 = (_stream_pass(rows, 2) for rows in range(1, ROWS + 1))
+
+
+@numba.njit(cache=True, inline="always")
+def _streams(batch):
+    """How many panels a pass over ``batch`` rows of x reads side by side: four for one
+    row, two for more (their sums then fill the registers)."""
+    return 4 if batch == 1 else 2
+
+
 @numba.njit(cache=True, inline="always")
 def _panel_dots(w, p, x, b0, rows, sums):
     """sums[b, j] = x[b0 + b] . weight row 16p + j, for b < rows (at most ROWS): panel p
-    of the panels w [P, K, 16], x [B, K] float32 and C-contiguous, sums float32 [ROWS,
+    of the panels w [P, K, 16], x [B, K] float32 and C-contiguous, sums float32 [SUMS,
     16]."""
     k = w.shape[1]
     address = w.ctypes.data + p * k * PANEL * w.itemsize
@@ -131,6 +194,27 @@ def _panel_dots(w, p, x, b0, rows, sums):
         _pass3(address, xa, step, k, out, w)
     else:
         _pass4(address, xa, step, k, out, w)
+
+
+@numba.njit(cache=True, inline="always")
+def _group_dots(w, p, inner, outer, streams, x, b0, rows, sums):
+    """sums[s * rows + b, j] = x[b0 + b] . weight row 16 p_s + j for the panels p_s = p +
+    (s % 2) * inner + (s // 2) * outer, s < streams (four with one row, else two), read
+    side by side; b < rows (at most ROWS)."""
+    k = w.shape[1]
+    size = k * PANEL * w.itemsize
+    address = w.ctypes.data + p * size
+    xa, step, out = x.ctypes.data + b0 * x.strides[0], x.strides[0], sums.ctypes.data
+    if streams == 4:
+        _s4r1(address, inner * size, outer * size, xa, step, k, out, w)
+    elif rows == 1:
+        _s2r1(address, inner * size, outer * size, xa, step, k, out, w)
+    elif rows == 2:
+        _s2r2(address, inner * size, outer * size, xa, step, k, out, w)
+    elif rows == 3:
+        _s2r3(address, inner * size, outer * size, xa, step, k, out, w)
+    else:
+        _s2r4(address, inner * size, outer * size, xa, step, k, out, w)
 
 
 @numba.njit(cache=True, inline="always")
@@ -150,19 +234,35 @@ def _put(out, r, acc, scale, bias):
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
+def _put_panel(out, p, s, rows, b0, sums, scale, bias):
+    """Rows 16p.. of out[b0 + b] for b < rows from sums[s * rows + b] (as ``_put``)."""
+    first = p * PANEL
+    count = min(PANEL, out.shape[1] - first)
+    for b in range(rows):
+        for j in range(count):
+            _put(out[b0 + b], first + j, sums[s * rows + b, j], scale, bias)
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
 def _panels_into(x, w, scale, bias, out, lo, hi, sums):
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
-    int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [ROWS, 16]."""
-    n, batch = out.shape[1], x.shape[0]
-    for p in range(lo, hi):
-        first = p * PANEL
-        count = min(PANEL, n - first)
+    int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
+    share is cut into ``_streams`` runs, read side by side: panel j of each run together
+    (a last few panels one at a time)."""
+    batch = x.shape[0]
+    streams = _streams(batch)
+    run = (hi - lo) // streams
+    for j in range(run):
+        for b0 in range(0, batch, ROWS):
+            rows = min(ROWS, batch - b0)
+            _group_dots(w, lo + j, run, 2 * run, streams, x, b0, rows, sums)
+            for s in range(streams):
+                _put_panel(out, lo + j + s * run, s, rows, b0, sums, scale, bias)
+    for p in range(lo + streams * run, hi):
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
             _panel_dots(w, p, x, b0, rows, sums)
-            for b in range(rows):
-                for j in range(count):
-                    _put(out[b0 + b], first + j, sums[b, j], scale, bias)
+            _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -174,7 +274,7 @@ def _matvec(x, w, scale, bias, out, parts):
     keep numba from caching the kernel.)"""
     for part in numba.prange(parts):
         lo, hi = _share(w.shape[0], part, parts)
-        _panels_into(x, w, scale, bias, out, lo, hi, np.empty((ROWS, PANEL), np.float32))
+        _panels_into(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32))
 
 
 _EMPTY = np.empty(0, np.float32)
@@ -212,7 +312,7 @@ class Panels:
 def panels(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Panels:
     """The panels of a weight [N, K] (float32, or int8 with its scales [N])."""
     w = weight.contiguous().numpy()
-    out = np.empty(panel_shape(*w.shape), w.dtype)
+    out = empty_huge_pages(panel_shape(*w.shape), weight.dtype).numpy()
     _fill_panels(w, out)
     scales = _EMPTY if scale is None else scale.float().contiguous().numpy()
     return Panels(out, scales, w.shape[0])
