@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from rvllm.kernels.host_memory import empty_huge_pages
+from rvllm.host_memory import empty_huge_pages
 
 
 def bytes_per_block(model: ModelConfig, block_size: int,
@@ -93,7 +93,7 @@ def blocks_for_budget(budget: float, per_block: int, model: ModelConfig, cache: 
 
 def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor for KV-cache blocks, asked to be huge pages
-    (``kernels.host_memory``). A decode step writes each layer's new keys and values into
+    (``rvllm.host_memory``). A decode step writes each layer's new keys and values into
     blocks far apart, and attention reads blocks anywhere in the cache: with 4 KiB pages,
     each write landed on a page the TLB did not hold, its page walk through tables pushed
     out of the caches by the weights streaming past. At N=1 on the random Llama (2 cores)

@@ -23,7 +23,7 @@ thread, each in memory order, whose sums are the independent chains of multiply-
 a 2-core AMD Zen 3 one stream a thread came in at 19-20 GB/s where four came in at 25-30
 and a plain read at 25-33 (400 MB of random-Llama-shaped panels, alternated): its
 prefetchers keep one stream a thread from filling the memory's queues. The panels sit in
-transparent huge pages (``host_memory``): no TLB miss every 4 KiB of a stream.
+transparent huge pages (``rvllm.host_memory``): no TLB miss every 4 KiB of a stream.
 
 - float32 weight [N, K];
 - int8 weight [N, K] with one float32 scale per output row; the activations stay
@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 
 from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu_vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
-from rvllm.kernels.host_memory import empty_huge_pages
+from rvllm.host_memory import empty_huge_pages
 
 PANEL = LANES  # output rows a panel holds: one vector of each column
 ROWS = 4  # rows of x a panel's pass takes at most (their sums stay in registers)
