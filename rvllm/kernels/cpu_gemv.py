@@ -48,9 +48,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from rvllm.host_memory import empty_huge_pages
 from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu_vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
-from rvllm.host_memory import empty_huge_pages
 
 PANEL = LANES  # output rows a panel holds: one vector of each column
 ROWS = 4  # rows of x a panel's pass takes at most (their sums stay in registers)
