@@ -18,9 +18,11 @@ import ctypes.util
 import functools
 import sys
 
+import numpy as np
 import torch
 
 _MADV_HUGEPAGE = 14  # Linux
+_MADV_COLLAPSE = 25  # Linux 6.1
 HUGE_PAGE = 2 << 20
 
 
@@ -29,14 +31,26 @@ def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     huge pages, before anything touches them (a tensor smaller than a huge page is left
     alone)."""
     tensor = torch.empty(shape, dtype=dtype)
-    if sys.platform.startswith("linux"):
-        start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE \
-            * HUGE_PAGE
-        if end > start:
-            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                            _MADV_HUGEPAGE)
+    _advise(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _MADV_HUGEPAGE)
     return tensor
+
+
+def collapse_huge_pages(array: np.ndarray) -> bool:
+    """Move the whole 2 MiB pages of memory already written (a numpy array's) into huge
+    pages where they are, its addresses unchanged (``MADV_COLLAPSE``, Linux 6.1 and
+    later; elsewhere nothing happens). A copy in the kernel, outside the GIL: about 1.5 ms
+    a MB here, so for idle time. Returns whether the kernel did it."""
+    return _advise(array.ctypes.data, array.nbytes, _MADV_COLLAPSE)
+
+
+def _advise(address: int, nbytes: int, advice: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,6 +207,46 @@ def test_deferred_reorders_compute_the_same_before_during_and_after(rows: int) -
         assert torch.equal(got, want)
     assert block.col.weight.numel() == 0  # released once packed
     assert block.lm_head.weight.numel() == packed.lm_head.weight.numel()
+
+
+def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -> None:
+    from rvllm.kernels.cpu_gemv import panels, panels_in_place, rows_of_panels
+
+    for rows, cols in ((16, 5), (48, 577), (4096, 64)):  # one chunk, several, a short last
+        weight = torch.randn(rows, cols)
+        want = panels(weight)
+        copy = weight.clone()
+        got = panels_in_place(copy)
+        assert np.array_equal(got.weight, want.weight) and got.rows == rows
+        assert got.weight.ctypes.data == copy.data_ptr()  # the weight's own memory
+        assert torch.equal(rows_of_panels(got), weight)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        panels_in_place(torch.randn(24, 8))
+
+
+@needs_onednn
+@pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_deferred_reorders_with_numba_keep_the_rows_in_the_panels_meanwhile(
+        kernel_backend, rows: int) -> None:
+    """With the one-row GEMV's panels, a server's start makes them in the weight's own
+    memory where they fill it (16 rows a panel) and nothing else reads the rows: until
+    its reorder such a layer multiplies by the panels, and the reorder makes its rows from
+    them; the outputs stay F.linear's all along and end as packing in place gives."""
+    x, h = inputs(rows)
+    block = Block()
+    expected = block.references(x, h, lambda w: w.clone())
+    packed = Block()
+    prepare_linear_weights(packed, "auto")
+    prepare_linear_weights(block, "auto", defer_reorders=True)
+    in_place = [block.qkv, block.gate_up, block.row]  # 64, 80 and 48 rows
+    assert all(m.weight.numel() == 0 and m.packed_weight is None for m in in_place)
+    assert block.col.weight.numel() > 0  # 24 rows: panels of their own
+    for got, want in zip(block.outputs(x, h), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not reorder_pending(block)
+    for got, want in zip(block.outputs(x, h), packed.outputs(x, h)):
+        assert torch.equal(got, want)
 
 
 def test_tied_lm_head_keeps_the_embedding_weight() -> None:

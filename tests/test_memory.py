@@ -61,6 +61,36 @@ def test_weight_panels_ask_for_huge_pages() -> None:
     assert torch.equal(torch.from_numpy(copy.weight[3, :, 5]), weight[3 * PANEL + 5])
 
 
+def _huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0] if line.split() else ""
+        if "-" in first and not line.startswith("VmFlags"):
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_memory_already_written_collapses_into_huge_pages_where_it_is() -> None:
+    """Panels made in a weight's own memory (a server's start) sit in 4 KiB pages; the
+    deferred reorder moves them into huge pages, same addresses, same numbers."""
+    import numpy as np
+
+    from rvllm.host_memory import collapse_huge_pages
+
+    array = np.arange(3 << 20, dtype=np.float32)  # 12 MiB, written
+    before = array.copy()
+    if not collapse_huge_pages(array):
+        pytest.skip("this kernel has no MADV_COLLAPSE")
+    assert _huge_kib(array.ctypes.data + (6 << 20)) >= 2048
+    assert np.array_equal(array, before)
+    assert not collapse_huge_pages(array[:100])  # no whole huge page in it
+
+
 def test_budget_is_the_smaller_of_utilization_and_reserve_less_the_peak() -> None:
     assert gpu_kv_budget(100 * GiB, 20 * GiB, 0.9, 0) == 70 * GiB
     # Utilization 1.0 is safe with a reserve: the reserve wins.

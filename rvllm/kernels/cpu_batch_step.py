@@ -39,6 +39,7 @@ from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_decoder_step import _rms_norm, _rope
+from rvllm.kernels.cpu_gemv import pending_linear
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 
 _TINY = np.float32(1e-10)
@@ -151,7 +152,7 @@ def _gemm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if module.linear_kind == "int8":
         return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
     if module.packed_weight is None:  # its oneDNN reorder is still pending
-        return torch.nn.functional.linear(x, module.weight)
+        return pending_linear(module, x)
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
 
 

@@ -24,7 +24,9 @@ With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
 with its scales; ``kernels.cpu_gemv``) for one-row inputs, which that GEMV reads at the
 memory's bandwidth: a one-sequence decode step runs 1.2-1.4x faster, for twice the float32
 weight memory (int8: half of float32's, all told). That int8 path widens the weight to
-float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``.
+float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``. When oneDNN's
+reorders are deferred (a server's start) the panels are made in the weight's own memory
+where they fill it, so loading touches one copy of the weights, not two.
 """
 
 from __future__ import annotations
@@ -101,9 +103,13 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         y = gemv(x2, panels)
     elif kind == "onednn":
         if module.packed_weight is None:  # its reorder is still pending
-            return F.linear(x, module.weight, bias)
-        y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [], "")
-        return y.view(*lead, y.shape[-1])
+            from rvllm.kernels.cpu_gemv import pending_linear
+
+            y = pending_linear(module, x2)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [],
+                                                   "")
+            return y.view(*lead, y.shape[-1])
     elif kind == "fp16":
         y = torch.ops.quantized.linear_dynamic_fp16(x2, module.packed_weight)
     elif x2.shape[0] == 1:
@@ -194,14 +200,19 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     keep_rows = use_numba() and kind in ("onednn", "int8")
     quantize = quantize_int8
     if keep_rows:
-        from rvllm.kernels.cpu_gemv import panels
+        from rvllm.kernels.cpu_gemv import PANEL, panels, panels_in_place
         from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
     packs = []  # (module, the fbgemm call that packs its weight), run below
     deferred = []  # modules whose oneDNN reorder waits for reorder_pending
     for m in on_cpu:
         w = m.weight.detach()
         if kind == "onednn":
-            if keep_rows:
+            if keep_rows and defer_reorders and _panels_may_take_rows(m, PANEL):
+                # Until the reorder the panels stand in for the rows (pending_linear), and
+                # the reorder makes the rows from them again (_reorder).
+                m.panel_weight = panels_in_place(w)
+                m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+            elif keep_rows:
                 m.panel_weight = panels(w)
             m.linear_kind = kind
             if defer_reorders:
@@ -238,10 +249,27 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     return kind
 
 
+def _panels_may_take_rows(m: nn.Module, panel: int) -> bool:
+    """Whether ``m``'s panels can be made in its weight's memory: nothing else reads the
+    rows, and the panels fill it exactly."""
+    w = m.weight
+    return (not getattr(m, "keeps_weight", False) and w.is_contiguous()
+            and w.shape[0] % panel == 0 and w.untyped_storage().nbytes() == w.nbytes)
+
+
 def _reorder(m: nn.Module) -> None:
     """Pack ``m``'s float32 weight for oneDNN and let the plain copy go (unless something
     else reads it)."""
-    m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+    weight = m.weight.detach()
+    if not weight.numel():  # its panels took its memory: the rows are made from them
+        from rvllm.host_memory import collapse_huge_pages
+        from rvllm.kernels.cpu_gemv import rows_of_panels
+
+        weight = rows_of_panels(m.panel_weight)
+        # The weight's pages were 4 KiB ones (huge ones made the load 0.5 s slower
+        # here); the one-row GEMV streams through its panels faster in 2 MiB pages.
+        collapse_huge_pages(m.panel_weight.weight)
+    m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     if not getattr(m, "keeps_weight", False):
         m.weight.data = torch.empty(0, dtype=m.weight.dtype)
 
