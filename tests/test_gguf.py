@@ -627,3 +627,13 @@ def test_no_destination_for_parameters_off_the_host(tiny_ggufs) -> None:
     destination = checkpoint_destinations(model)
     shape = tuple(model.model.layers[0].mlp.down_proj.weight.shape)
     assert destination("model.layers.0.mlp.down_proj.weight", shape) is None
+
+
+def test_our_ggml_type_table_is_the_gguf_package_s() -> None:
+    """rvllm reads GGUF files without importing the ``gguf`` package (start-up time): its
+    type ids, names and block sizes are ours, and must stay the format's."""
+    from rvllm.models.gguf_file import GGML_BLOCK_SIZES, GGMLType
+
+    assert {t.name: int(t) for t in GGMLType} == {t.name: int(t) for t in GGMLQuantizationType}
+    assert {int(k): v for k, v in GGML_BLOCK_SIZES.items()} == {
+        int(k): v for k, v in GGML_QUANT_SIZES.items()}

@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from rvllm.models.gguf_file import ggml_type_name, tensor_nbytes
+from rvllm.models.gguf_file import GGML_BLOCK_SIZES, GGMLType, ggml_type_name, tensor_nbytes
 
 # Big tensors are decoded in slices of this many blocks so the temporaries stay small.
 _CHUNK_BLOCKS = 1 << 16
@@ -105,16 +104,16 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, -1)
 
 
-_DECODERS: dict[GGMLQuantizationType, _Decoder] = {
-    GGMLQuantizationType.F32: _f32,
-    GGMLQuantizationType.F16: _f16_type,
-    GGMLQuantizationType.BF16: _bf16,
-    GGMLQuantizationType.Q8_0: _q8_0,
-    GGMLQuantizationType.Q4_0: _q4_0,
-    GGMLQuantizationType.Q4_1: _q4_1,
-    GGMLQuantizationType.Q4_K: _q4_k,
-    GGMLQuantizationType.Q5_K: _q5_k,
-    GGMLQuantizationType.Q6_K: _q6_k,
+_DECODERS: dict[GGMLType, _Decoder] = {
+    GGMLType.F32: _f32,
+    GGMLType.F16: _f16_type,
+    GGMLType.BF16: _bf16,
+    GGMLType.Q8_0: _q8_0,
+    GGMLType.Q4_0: _q4_0,
+    GGMLType.Q4_1: _q4_1,
+    GGMLType.Q4_K: _q4_k,
+    GGMLType.Q5_K: _q5_k,
+    GGMLType.Q6_K: _q6_k,
 }
 
 SUPPORTED_TYPES: tuple[str, ...] = tuple(t.name for t in _DECODERS)
@@ -135,8 +134,8 @@ USE_NUMBA = True
 
 
 def _use_numba(ggml_type: int) -> bool:
-    return USE_NUMBA and ggml_type in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
-                                        GGMLQuantizationType.Q4_1)
+    return USE_NUMBA and ggml_type in (GGMLType.Q8_0, GGMLType.Q4_0,
+                                        GGMLType.Q4_1)
 
 
 def dequantize(
@@ -159,7 +158,7 @@ def dequantize(
             f"{ggml_type_name(ggml_type)} tensor of shape {tuple(shape)} needs {nbytes} bytes, "
             f"got {data.nbytes}"
         )
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
     if out is None:
         out = torch.empty(data.nbytes // type_size, block_size, dtype=torch.float32)
     elif (out.dtype != torch.float32 or not out.is_contiguous()
