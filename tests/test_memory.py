@@ -25,17 +25,27 @@ from rvllm.executor.kv_cache import (
 GiB = 1 << 30
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The kernel's flags for the mapping of this process that holds ``address``."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The words after ``field:`` in the kernel's entry for the mapping of this process
+    that holds ``address``."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0] if line.split() else ""
         if "-" in first and not line.startswith("VmFlags"):
             lo, hi = (int(x, 16) for x in first.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("VmFlags:"):
+        elif inside and line.startswith(f"{field}:"):
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
+
+
+def _huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping that holds ``address``."""
+    return int(_smaps_field(address, "AnonHugePages")[0])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
@@ -59,19 +69,6 @@ def test_weight_panels_ask_for_huge_pages() -> None:
     copy = panels(weight)
     assert "hg" in _vm_flags(copy.weight.ctypes.data + (2 << 20))
     assert torch.equal(torch.from_numpy(copy.weight[3, :, 5]), weight[3 * PANEL + 5])
-
-
-def _huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0] if line.split() else ""
-        if "-" in first and not line.startswith("VmFlags"):
-            lo, hi = (int(x, 16) for x in first.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
