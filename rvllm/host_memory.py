@@ -1,6 +1,6 @@
 """Host memory backed by transparent huge pages, for the large arrays the CPU kernels
-stream through or touch anywhere: the weight panels of the one-row GEMV
-(``cpu_gemv.panels``) and the KV cache (``executor.kv_cache.empty_cpu_cache``).
+stream through: the weight panels of the one-row GEMV (``cpu_gemv.panels``). (The KV
+cache was, until its first writes were timed: ``executor.kv_cache.empty_cpu_cache``.)
 
 With 4 KiB pages, a read of a weight stream crosses a page every 64 lines: each crossing
 is a TLB miss whose page walk reads tables the streaming weights keep pushing out of the

@@ -43,10 +43,16 @@ def timed(owner: Any, name: str, label: str | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the built-in default model")
+    parser.add_argument("--no-defer", action="store_true",
+                        help="import all of torch first (as a library user's process does)")
     args = parser.parse_args()
     from rvllm.startup import pause_collector
 
     pause_collector()
+    if not args.no_defer:
+        from rvllm.deferred_imports import defer_torch_meta_registrations
+
+        defer_torch_meta_registrations()  # as the server's engine process does
     import torch  # noqa: F401 - its import is the first step of an engine process
 
     mark("import torch end")

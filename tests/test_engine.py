@@ -309,6 +309,32 @@ def test_swap_needs_swap_space(llama_dir: Path) -> None:
         LLM(str(llama_dir), preemption_mode="swap")
 
 
+def test_a_short_first_request_does_not_wait_for_the_deferred_packing(llama_dir: Path) -> None:
+    """Steps of up to ``PENDING_GEMM_MAX_ROWS`` rows multiply the panels as fast as packed
+    weights, so they leave the packing to idle time (a layer's took 30-70 ms)."""
+    from rvllm.layers.cpu_linear import PENDING_GEMM_MAX_ROWS
+
+    llm = LLM(str(llama_dir), defer_weight_packing=True)
+    if not llm.engine.has_idle_work:
+        pytest.skip("no oneDNN packing on this build")
+    left = len(llm.engine.model.pending_reorders)
+    prompt = make_prompts(lens=(PENDING_GEMM_MAX_ROWS,))[0]
+    assert greedy(llm, [prompt]) == hf_greedy(llama_dir, [prompt], NEW_TOKENS)
+    assert len(llm.engine.model.pending_reorders) == left
+
+
+def test_idle_work_waits_until_the_engine_has_been_quiet(llama_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from rvllm.engine import llm_engine
+
+    llm = LLM(str(llama_dir), defer_weight_packing=True)
+    monkeypatch.setattr(llm_engine, "IDLE_WORK_AFTER_S", 60.0)
+    greedy(llm, make_prompts(lens=(3,)), n=2)
+    assert 59.0 < llm.engine.idle_work_due_in() <= 60.0  # counted from the last step
+    monkeypatch.setattr(llm_engine, "IDLE_WORK_AFTER_S", 0.0)
+    assert llm.engine.idle_work_due_in() == 0.0
+
+
 def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
     """What ``rvllm serve``'s engine process does: the linear weights are packed after
     start-up, a layer per batch step and the rest when idle. Tokens stay transformers'

@@ -48,14 +48,11 @@ def _huge_kib(address: int) -> int:
     return int(_smaps_field(address, "AnonHugePages")[0])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
-def test_the_cpu_cache_asks_for_huge_pages_and_works_as_any_tensor() -> None:
+def test_the_cpu_cache_is_an_uninitialised_tensor_of_its_shape() -> None:
     cache = empty_cpu_cache((8, 2, 1 << 18), torch.float32)  # 16 MiB
     assert cache.shape == (8, 2, 1 << 18) and cache.dtype == torch.float32
-    assert "hg" in _vm_flags(cache.data_ptr() + (6 << 20))  # MADV_HUGEPAGE took
     cache.fill_(2.0)
     assert float(cache.sum()) == 2.0 * cache.numel()
-    # Too small to hold a whole huge page: left alone.
     assert empty_cpu_cache((3, 5), torch.bfloat16).shape == (3, 5)
 
 

@@ -280,9 +280,12 @@ class AsyncEngine:
             with self._cond:
                 while not self._has_work() and not self.engine.has_idle_work:
                     self._cond.wait()
+                if not self._has_work():
+                    self._cond.wait(self.engine.idle_work_due_in())  # a request may come
                 idle = not self._has_work()
             if idle:
-                self.engine.idle_work()  # nothing to step: a slice of deferred start-up work
+                if not self.engine.idle_work_due_in():
+                    self.engine.idle_work()  # nothing to step: a slice of deferred work
                 continue
             with self._cond:
                 if self._stopping:

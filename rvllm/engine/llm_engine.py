@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rvllm import deferred_imports
 from rvllm.config import (
     CacheConfig,
     EngineArgs,
@@ -27,8 +28,8 @@ from rvllm.engine.stop import check_stop
 from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
 from rvllm.inputs import PromptType
-from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 from rvllm.layers.cpu_linear import (
+    PENDING_GEMM_MAX_ROWS,
     finish_linear_weights,
     has_pending_reorders,
     reorder_pending,
@@ -37,6 +38,9 @@ from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+# How long an engine must have had nothing to step before it does its deferred work.
+IDLE_WORK_AFTER_S = 0.25
 
 logger = logging.getLogger("rvllm")
 
@@ -161,6 +165,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._last_step = time.monotonic()  # for idle_work_due_in
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.2fs: %s, %s, kernels: %s, linear layers: %s, %d KV "
                     "blocks of %d tokens in %s", self.startup_seconds,
@@ -343,14 +348,26 @@ class LLMEngine:
 
     @property
     def has_idle_work(self) -> bool:
-        """Whether ``idle_work`` has something to do (``defer_weight_packing``)."""
-        return has_pending_reorders(self.model)
+        """Whether ``idle_work`` has something to do (``defer_weight_packing``, or the
+        torch modules ``rvllm.deferred_imports`` left out of this process's start)."""
+        return has_pending_reorders(self.model) or deferred_imports.has_deferred()
+
+    def idle_work_due_in(self) -> float:
+        """Seconds until a loop with nothing to step should call ``idle_work``: not before
+        the engine has stepped nothing for ``IDLE_WORK_AFTER_S``. A client that sends its
+        first request as the server comes up then finds the engine free, not in a layer's
+        packing (the first took 60-100 ms); so does the next request of a busy client."""
+        return max(0.0, self._last_step + IDLE_WORK_AFTER_S - time.monotonic())
 
     def idle_work(self, seconds: float = 0.02) -> None:
-        """About ``seconds`` of the work start-up left for later (the linear weights'
-        packing, ``EngineArgs.defer_weight_packing``), for a caller with no request to
-        step. Under load ``step`` does it a layer at a time instead."""
-        reorder_pending(self.model, seconds=seconds)
+        """About ``seconds`` of the work start-up left for later, for a caller with no
+        request to step: the linear weights' packing (``EngineArgs.defer_weight_packing``;
+        under load ``step`` does it a layer at a time instead), then one of the deferred
+        torch modules (0.05-0.15 s each)."""
+        if has_pending_reorders(self.model):
+            reorder_pending(self.model, seconds=seconds)
+        else:
+            deferred_imports.import_next()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
@@ -365,9 +382,11 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
-        if sched.num_batched_tokens > DECODER_STEP_MAX_ROWS:
-            # Deferred packing, under load: a layer a step, on steps of the packed GEMMs
-            # (fewer rows read the weights' panels and never wait for the packing).
+        self._last_step = time.monotonic()
+        if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
+            # Deferred packing, under load: a layer a step, on steps that a packed weight
+            # makes faster. Fewer rows multiply the panels as fast; so a first request
+            # with a short prompt does not wait for a layer's packing (30-70 ms).
             reorder_pending(self.model, limit=1)
         now = time.time()
         moved: dict[str, Request] = {}

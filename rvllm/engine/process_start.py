@@ -40,6 +40,9 @@ def start_engine_child(args: Any, num_threads: int | None, log_level: int,
 def _child_entry(parent_ends: tuple[Connection, ...], *args: Any) -> None:
     for end in parent_ends:
         end.close()
+    from rvllm.deferred_imports import defer_torch_meta_registrations
+
+    defer_torch_meta_registrations()  # this process's own: its engine imports them idle
     from rvllm.engine.process_wire import child_main
 
     child_main(*args)

@@ -187,7 +187,7 @@ def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
     encoder = OutputEncoder()
     while True:
         if not engine.has_unfinished_requests() and engine.has_idle_work:
-            if not requests.poll():
+            if not requests.poll(engine.idle_work_due_in()):
                 engine.idle_work()  # nothing to step: a slice of deferred start-up work
                 continue
         messages = [] if engine.has_unfinished_requests() else [requests.recv()]

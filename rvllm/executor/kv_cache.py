@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from rvllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from rvllm.host_memory import empty_huge_pages
 
 
 def bytes_per_block(model: ModelConfig, block_size: int,
@@ -92,11 +91,15 @@ def blocks_for_budget(budget: float, per_block: int, model: ModelConfig, cache: 
 
 
 def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor for KV-cache blocks, asked to be huge pages
-    (``rvllm.host_memory``). A decode step writes each layer's new keys and values into
-    blocks far apart, and attention reads blocks anywhere in the cache: with 4 KiB pages,
-    each write landed on a page the TLB did not hold, its page walk through tables pushed
-    out of the caches by the weights streaming past. At N=1 on the random Llama (2 cores)
-    the keys and values' writes took 0.19-0.23 ms of a 17-19 ms step; with huge pages,
-    0.03-0.05 ms."""
-    return empty_huge_pages(shape, dtype)
+    """An uninitialised CPU tensor for KV-cache blocks, in ordinary 4 KiB pages.
+
+    Huge pages (``rvllm.host_memory``) once took a decode step's key and value writes from
+    0.19-0.23 ms to 0.03-0.05 ms of a 17-19 ms N=1 step (random Llama, a Zen 4 with 8 MB of
+    L3). On a Zen 3 with 32 MB of L3 the step was as fast either way (SmolLM2, ten
+    alternated pairs: 15.6-25.0 ms a step, the pairs' differences -2.0 to +1.6 ms, mean
+    +0.05). And with huge pages the first write to each of the cache's tensors (a layer's
+    keys or values: 60 for SmolLM2) fills a whole 2 MiB page: 0.2-2.9 ms apiece on a
+    virtual machine whose host takes back free memory, 105-150 ms of the first prefill in
+    ``rvllm serve``'s engine process. With 4 KiB pages the first requests touch only the
+    pages their blocks are in."""
+    return torch.empty(shape, dtype=dtype)

@@ -42,6 +42,10 @@ from torch import nn
 
 CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("int8", "fp16")
+# Up to this many rows, a float32 weight whose reorder is pending multiplies as fast from
+# its panels (``kernels.cpu_gemv.pending_linear``) as packed: at SmolLM2's shapes, 0.9-1.1x
+# the time at 16 and 32 rows, 1.05-1.25x at 64, 1.3-1.6x at 128-512.
+PENDING_GEMM_MAX_ROWS = 32
 
 
 def onednn_available() -> bool:
