@@ -224,6 +224,22 @@ def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -
         panels_in_place(torch.randn(24, 8))
 
 
+def test_embedding_rows_come_from_panels_or_rows_alike() -> None:
+    from rvllm.kernels.cpu_gemv import embedding_rows, embedding_table, panels_in_place
+
+    weight = torch.randn(64, 7)
+    ids = torch.tensor([[0, 17, 63], [5, 5, 48]])
+    plain = embedding_table(weight)
+    assert plain.shape == (64, 7, 1) and plain.data_ptr() == weight.data_ptr()
+    assert torch.equal(embedding_rows(plain, ids), weight[ids])
+    param = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    param.row_panels = panels_in_place(param.data)
+    table = embedding_table(param)
+    assert table.shape == (4, 7, 16)
+    got = embedding_rows(table, ids)
+    assert got.shape == (2, 3, 7) and got.is_contiguous() and torch.equal(got, weight[ids])
+
+
 @needs_onednn
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
 @pytest.mark.parametrize("rows", [1, 3, 32])

@@ -335,6 +335,24 @@ def test_idle_work_waits_until_the_engine_has_been_quiet(llama_dir: Path,
     assert llm.engine.idle_work_due_in() == 0.0
 
 
+def test_a_tied_lm_head_makes_its_panels_in_the_embeddings_memory(
+        model_dirs: dict[str, Path]) -> None:
+    """``rvllm serve``'s case (packing deferred): the tied LM head's panels take the rows'
+    memory instead of a copy, and the embedding reads its rows from them. The tokens stay
+    transformers' before the packing and after it."""
+    llm = LLM(str(model_dirs["qwen2"]), defer_weight_packing=True)
+    model = llm.engine.model
+    if not llm.engine.has_idle_work:
+        pytest.skip("no oneDNN packing on this build")
+    weight = model.model.embed_tokens.weight
+    assert weight is model.lm_head.weight and weight.numel() == 0
+    assert weight.row_panels is model.lm_head.panel_weight
+    assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
+    llm.engine.idle_work(seconds=60.0)
+    assert not llm.engine.has_idle_work
+    assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
+
+
 def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
     """What ``rvllm serve``'s engine process does: the linear weights are packed after
     start-up, a layer per batch step and the rest when idle. Tokens stay transformers'

@@ -39,7 +39,7 @@ from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_decoder_step import _rms_norm, _rope
-from rvllm.kernels.cpu_gemv import pending_linear
+from rvllm.kernels.cpu_gemv import embedding_rows, pending_linear
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 
 _TINY = np.float32(1e-10)
@@ -182,7 +182,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
     match_torch_threads()
     rows, decodes = token_ids.shape[0], ctx.num_decode_tokens
     quantize = plan.like.dtype == np.int8
-    hidden_t = plan.embedding[token_ids]  # a copy: the residual stream
+    hidden_t = embedding_rows(plan.embedding, token_ids)  # a copy: the residual stream
     hidden = hidden_t.numpy()
     normed_t = torch.empty_like(hidden_t)
     normed = normed_t.numpy()

@@ -54,6 +54,8 @@ from rvllm.kernels.cpu_gemv import (
     _panels_into,
     _share,
     _streams,
+    embedding_rows,
+    embedding_table,
     panel_shape,
 )
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
@@ -278,14 +280,14 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
                     key_cache, value_cache, windows, tables, positions, slots, cos_table,
                     sin_table, num_heads, num_kv_heads, head_dim, scale, eps, final_norm,
                     head_w, head_s, logits, greedy_ids, greedy_logprobs, parts):
-    """``_decoder_step`` from the token ids' rows of the embedding [V, H], then the LM
-    head's logits [B, V] (panels head_w, int8 scales head_s) into ``logits``; with
-    greedy_ids / greedy_logprobs of length B (not 0), each row's greedy token and its
-    logprob too (``_head_greedy``)."""
-    rows, size = token_ids.shape[0], embedding.shape[1]
+    """``_decoder_step`` from the token ids' rows of the embedding (a table [V / P, H, P],
+    ``cpu_gemv.embedding_table``), then the LM head's logits [B, V] (panels head_w, int8
+    scales head_s) into ``logits``; with greedy_ids / greedy_logprobs of length B (not
+    0), each row's greedy token and its logprob too (``_head_greedy``)."""
+    rows, size, per = token_ids.shape[0], embedding.shape[1], embedding.shape[2]
     hidden = np.empty((rows, size), np.float32)
     for b in range(rows):
-        hidden[b] = embedding[token_ids[b]]
+        hidden[b] = embedding[token_ids[b] // per, :, token_ids[b] % per]
     final = np.empty((rows, size), np.float32)
     _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
                   gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
@@ -447,7 +449,7 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
         "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
         "final_norm": decoder.norm.weight.detach().numpy(),
-        "embedding": decoder.embed_tokens.weight.detach(),
+        "embedding": embedding_table(decoder.embed_tokens.weight),
         "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
         "inter": inter,
     })
@@ -475,7 +477,7 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     if caches is None or token_ids.shape[0] > plan.max_rows:
         return None
     match_torch_threads()
-    hidden = plan.embedding[token_ids].numpy()  # a copy: the residual stream
+    hidden = embedding_rows(plan.embedding, token_ids).numpy()  # a copy: the residual stream
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, *_layer_args(plan, caches, block_tables, positions, slots),
                   out.numpy(), numba.get_num_threads())
@@ -547,6 +549,6 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
                       np.empty((1, hidden), np.float32), numba.get_num_threads())
         head = np.zeros(panel_shape(20, hidden), dtype)
         scale = np.ones(20 if dtype is np.int8 else 0, np.float32)
-        _step_to_logits(np.zeros((20, hidden), np.float32), zeros, *layers, head, scale,
+        _step_to_logits(np.zeros((20, hidden, 1), np.float32), zeros, *layers, head, scale,
                         np.empty((1, 20), np.float32), np.empty(1, np.int64),
                         np.empty(1, np.float32), numba.get_num_threads())

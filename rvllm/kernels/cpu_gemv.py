@@ -352,6 +352,27 @@ def rows_of_panels(weight: Panels) -> torch.Tensor:
     return p.transpose(1, 2).reshape(-1, p.shape[1])[: weight.rows]
 
 
+def embedding_table(weight: torch.Tensor) -> torch.Tensor:
+    """An embedding's rows as a table [N / P, K, P] that ``embedding_rows`` and the
+    compiled decode step read: the panels [N / 16, K, 16] a tied LM head's panels made in
+    the rows' memory (``weight.row_panels``, left by ``layers.cpu_linear``), else the
+    rows themselves viewed as [N, K, 1]."""
+    panels = getattr(weight, "row_panels", None)
+    if panels is not None:
+        return torch.from_numpy(panels.weight)
+    return weight.detach().view(weight.shape[0], weight.shape[1], 1)
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rows ``ids`` of an ``embedding_table``: a copy, [*ids.shape, K]."""
+    per = table.shape[2]
+    if per == 1:
+        return table.view(table.shape[0], table.shape[1])[ids]
+    flat = ids.reshape(-1)
+    rows = table[flat // per, :, flat % per]  # row r is column r % 16 of panel r // 16
+    return rows.contiguous().view(*ids.shape, table.shape[1])
+
+
 def pending_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x [T, K] W^T, no bias, for a float32 layer whose oneDNN reorder is still pending
     (``layers.cpu_linear``): from its plain weight, or from its panels where they took the

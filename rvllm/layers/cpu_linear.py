@@ -215,6 +215,10 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
                 # Until the reorder the panels stand in for the rows (pending_linear), and
                 # the reorder makes the rows from them again (_reorder).
                 m.panel_weight = panels_in_place(w)
+                if getattr(m, "keeps_weight", False):
+                    # A tied LM head: its embedding reads its rows from the panels
+                    # (layers.embedding), and no 113 MB copy is made (SmolLM2).
+                    m.weight.row_panels = m.panel_weight
                 m.weight.data = torch.empty(0, dtype=m.weight.dtype)
             elif keep_rows:
                 m.panel_weight = panels(w)
@@ -255,9 +259,11 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
 
 def _panels_may_take_rows(m: nn.Module, panel: int) -> bool:
     """Whether ``m``'s panels can be made in its weight's memory: nothing else reads the
-    rows, and the panels fill it exactly."""
+    rows, or only the embedding of one rank (which can read them from the panels), and
+    the panels fill it exactly."""
     w = m.weight
-    return (not getattr(m, "keeps_weight", False) and w.is_contiguous()
+    shared = getattr(m, "keeps_weight", False)
+    return ((not shared or getattr(m, "tp_size", None) == 1) and w.is_contiguous()
             and w.shape[0] % panel == 0 and w.untyped_storage().nbytes() == w.nbytes)
 
 

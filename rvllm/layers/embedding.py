@@ -43,6 +43,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
+            if hasattr(self.weight, "row_panels"):  # a tied LM head's panels hold the rows
+                from rvllm.kernels.cpu_gemv import embedding_rows, embedding_table
+
+                return embedding_rows(embedding_table(self.weight), input_ids)
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
