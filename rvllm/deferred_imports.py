@@ -19,8 +19,11 @@ is never changed.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import types
+
+logger = logging.getLogger("rvllm")
 
 _META = "torch._meta_registrations"
 # What the meta registrations import, in order, the largest first: each is one slice
@@ -53,5 +56,10 @@ def import_next() -> bool:
     name = _deferred.pop(0)
     if name == _META:
         del sys.modules[_META]
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - idle work must not end the engine's loop
+        logger.warning("could not import %s after start-up: torch's meta kernels stay out",
+                       name, exc_info=True)
+        _deferred.clear()
     return bool(_deferred)

@@ -67,3 +67,13 @@ def test_nothing_is_deferred_once_torch_is_imported() -> None:
 
     assert "torch" in sys.modules
     assert not defer_torch_meta_registrations() and not has_deferred()
+
+
+def test_a_deferred_import_that_fails_is_logged_and_the_rest_dropped(
+        monkeypatch, caplog) -> None:  # noqa: ANN001 - pytest fixtures
+    from rvllm import deferred_imports
+
+    monkeypatch.setattr(deferred_imports, "_deferred", ["torch._rvllm_no_such", "torch._refs"])
+    assert not deferred_imports.import_next()  # the engine's idle loop goes on
+    assert not deferred_imports.has_deferred()
+    assert "could not import torch._rvllm_no_such" in caplog.text
