@@ -84,7 +84,7 @@ class ModelRunner:
             attn.kv_cache = (self._cache_tensor(local, dtype), self._cache_tensor(local, dtype))
 
     def _cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Uninitialised cache memory: on the CPU, asked to be huge pages (``empty_cpu_cache``)."""
+        """Uninitialised cache memory (on the CPU: ``empty_cpu_cache``)."""
         if self.device.type == "cpu":
             return empty_cpu_cache(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=self.device)
