@@ -354,9 +354,9 @@ def rows_of_panels(weight: Panels) -> torch.Tensor:
 
 def embedding_table(weight: torch.Tensor) -> torch.Tensor:
     """An embedding's rows as a table [N / P, K, P] that ``embedding_rows`` and the
-    compiled decode step read: the panels [N / 16, K, 16] a tied LM head's panels made in
-    the rows' memory (``weight.row_panels``, left by ``layers.cpu_linear``), else the
-    rows themselves viewed as [N, K, 1]."""
+    compiled decode step read: the panels [N / 16, K, 16] that a tied LM head made in the
+    rows' memory (``weight.row_panels``, left by ``layers.cpu_linear``), else the rows
+    themselves viewed as [N, K, 1]."""
     panels = getattr(weight, "row_panels", None)
     if panels is not None:
         return torch.from_numpy(panels.weight)

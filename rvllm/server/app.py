@@ -145,7 +145,7 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
     if started is not None:
         try:
             # While the child loads the model: the tokenizer, the app and the HTTP server's
-            # modules (40-70 ms on 2 cores), so that its readiness is all that is left.
+            # modules (50-75 ms here), so that its readiness is all that is left.
             started.load_tokenizer()
             name = served_name(ns, started.args.resolve_model())
             server = http_server(ns, build_app(started, name, ns.api_key))
