@@ -49,10 +49,9 @@ def has_deferred() -> bool:
 
 
 def import_next() -> bool:
-    """Import the next deferred module of torch; returns whether any are left. A no-op
-    before torch itself is imported (the placeholder then still stands)."""
-    if not _deferred or "torch" not in sys.modules:
-        return bool(_deferred)
+    """Import the next deferred module of torch; returns whether any are left."""
+    if not _deferred:
+        return False
     name = _deferred.pop(0)
     if name == _META:
         del sys.modules[_META]
