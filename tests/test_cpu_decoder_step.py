@@ -167,8 +167,8 @@ def test_head_greedy_merges_the_threads_shares_as_one_argmax(parts: int) -> None
     its log-softmax."""
     import numpy as np
 
-    from rvllm.kernels.cpu_decoder_step import _head_greedy
     from rvllm.kernels.cpu_gemv import panels
+    from rvllm.kernels.cpu_step_parts import _head_greedy
 
     gen = torch.Generator().manual_seed(parts)
     for vocab in (5, 40, 100):
@@ -252,3 +252,40 @@ def test_other_shapes_keep_the_layers(model_dirs: dict[str, Path]) -> None:
     llm = LLM(str(model_dirs["llama"]), kernel_backend="numba", cpu_linear_backend="torch")
     assert build_plan(llm.engine.model.model) is None  # no weight panels
 
+
+
+@pytest.mark.parametrize("parts", [1, 3, 5])
+def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: Path,
+                                                                     parts: int) -> None:
+    """The compiled step runs in one parallel region whose work items are claimed by
+    whichever thread is free (``kernels/cpu_sync.py``). With one region iteration, or
+    more than numba has threads (some then run one after another on a thread), it ends,
+    and gives the logits and greedy tokens of numba's own count; three rows and one."""
+    import numba
+    import numpy as np
+
+    from rvllm.kernels import cpu_decoder_step as step
+
+    llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8)
+    model = llm.engine.model
+    metadata, ids, positions = _decode_inputs(llm, [PROMPTS[0], PROMPTS[1], [7, 8, 9, 10]], 8)
+    plan = build_plan(model.model)
+    head = plan.head(model.lm_head)
+    for rows in ([0, 1, 2], [1]):
+        md = metadata(rows)
+
+        def run(count: int, rows: list[int] = rows, md=md) -> tuple:  # noqa: ANN001
+            logits = np.empty((len(rows), head.rows), np.float32)
+            tokens, logprobs = np.empty(len(rows), np.int64), np.empty(len(rows), np.float32)
+            step._step_to_logits(
+                plan.embedding.numpy(), ids[rows].numpy(),
+                *step._layer_args(plan, plan.caches(), md.decode_block_tables.numpy(),
+                                  positions[rows].numpy(), md.slot_mapping.numpy()),
+                head.weight, head.scale, logits, tokens, logprobs, count)
+            return logits, tokens.tolist(), logprobs
+
+        want_logits, want_tokens, want_logprobs = run(numba.get_num_threads())
+        logits, tokens, logprobs = run(parts)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)

@@ -331,12 +331,12 @@ def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
 def test_panel_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
                                                         int8: bool) -> None:
     """The GEMV (``cpu_gemv._matvec``) and the fused gate/up/SiLU
-    (``cpu_decoder_step._gate_up_silu``) read the weight in panels of 16 rows, shared out
+    (``cpu_step_parts._gate_up_silu``) read the weight in panels of 16 rows, shared out
     among the threads, up to four rows of x a pass: every split of the panels, weights
     whose last panel is partly padding, odd column counts and more rows of x than a pass
     takes must give F.linear's numbers, with and without scales and biases."""
-    from rvllm.kernels.cpu_decoder_step import _gate_up_silu
     from rvllm.kernels.cpu_gemv import _matvec, panels
+    from rvllm.kernels.cpu_step_parts import _gate_up_silu
 
     gen = torch.Generator().manual_seed(parts * 10 + rows)
     empty = torch.empty(0).numpy()

@@ -38,9 +38,9 @@ from numba import prange
 from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
-from rvllm.kernels.cpu_decoder_step import _rms_norm, _rope
 from rvllm.kernels.cpu_gemv import embedding_rows, pending_linear
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
+from rvllm.kernels.cpu_step_parts import _rms_norm, _rope
 
 _TINY = np.float32(1e-10)
 

@@ -9,9 +9,17 @@ drives them, each a few microseconds on a few rows. Here the whole stack runs in
 compiled code: per layer, RMSNorm, the QKV projection, RoPE, the KV-cache write,
 attention over the paged cache, the output projection, the residual add and RMSNorm,
 gate/up with SiLU*mul fused into its rows, and the down projection. Each weight row is
-read from memory once for all the step's sequences. The projections and attention run
-on numba's threads (as many as torch's); the rest, a few thousand floats a row and
-layer, runs on the calling thread.
+read from memory once for all the step's sequences.
+
+The step's threads (numba's, as many as torch's) enter one parallel region for the
+whole step (``cpu_sync``): each projection's shares and each layer's attention are work
+items any free thread claims, and whichever thread ends a phase's last item does the
+few thousand floats of serial work after it (RoPE and the cache write, a residual add
+and a norm). A ``prange`` loop a projection had cost about 150 forks and joins a step.
+A thread that is done with its share claims its share of the next projection before it
+waits, and asks the memory for that share's first lines meanwhile
+(``_wait_fetching``): the threads end a phase up to tens of microseconds apart, and
+the waiting one had left its half of the memory's bandwidth idle.
 
 Up to ``MAX_ROWS`` sequences with float32 weights, ``MAX_ROWS_INT8`` with int8: measured
 on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GEMMs
@@ -43,14 +51,11 @@ from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_decode_attention import _paged_decode, num_splits_for
+from rvllm.kernels.cpu_decode_attention import _attend_part, _merge, num_splits_for
 from rvllm.kernels.cpu_gemv import (
     PANEL,
-    ROWS,
     SUMS,
     Panels,
-    _group_dots,
-    _matvec,
     _panels_into,
     _share,
     _streams,
@@ -58,7 +63,15 @@ from rvllm.kernels.cpu_gemv import (
     embedding_table,
     panel_shape,
 )
-from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
+from rvllm.kernels.cpu_math import _prefetch, kv_array
+from rvllm.kernels.cpu_step_parts import (
+    _gate_up_share,
+    _head_share,
+    _merge_greedy,
+    _rms_norm,
+    _rope_and_cache,
+)
+from rvllm.kernels.cpu_sync import claim, done, finish, phases, publish, spin, wait
 from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
 
 
@@ -85,193 +98,250 @@ def _weight(addresses, layer, like, rows, cols):
 MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _silu_put(out, r, g, u, scale, bias, inter):
-    """out[r] (one row of the output) = SiLU(g) * u, g from gate row r and u from up row
-    r + inter, each with its row's scale and bias."""
-    if scale.shape[0] > 0:
-        g *= scale[r]
-        u *= scale[r + inter]
-    if bias.shape[0] > 0:
-        g += bias[r]
-        u += bias[r + inter]
-    out[r] = g / (np.float32(1.0) + exp32(-g)) * u
+# A layer's phases in the step's parallel region (``cpu_sync``): the QKV projection (its
+# tail: RoPE and the cache write), attention (tail: the splits' merge), the output
+# projection (tail: the residual add and the second norm), gate/up, down (tail: the
+# residual add and the next layer's norm); after the last layer, the LM head.
+PHASES = 5
+LINE = 64  # bytes of a cache line
+FETCH_BYTES = 64 * 1024
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
-    """Rows 16p.. of out[b0 + b] for b < rows: gate and up panel pair t of a pass's sums
-    (``cpu_gemv._group_dots``: the gate's at 2t, the up's at 2t + 1)."""
-    for b in range(rows):
-        for j in range(PANEL):
-            _silu_put(out[b0 + b], p * PANEL + j, sums[2 * t * rows + b, j],
-                      sums[(2 * t + 1) * rows + b, j], scale, bias, inter)
+@numba.njit(fastmath=True, cache=True)
+def _add_rows(hidden, delta):
+    """hidden += delta, [B, H]: a loop (an array expression in a prange body would be a
+    parallel loop of its own for numba to serialise)."""
+    for b in range(hidden.shape[0]):
+        for i in range(hidden.shape[1]):
+            hidden[b, i] += delta[b, i]
+
+
+@numba.njit(fastmath=True, cache=True)
+def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
+    """The shares of out = x W^T (``cpu_gemv._panels_into``) this thread claims of
+    ``phase``'s ``items``, from ``item`` (claimed before); whether it ended the last one
+    (it then owes the tail)."""
+    last = False
+    while item < items:
+        lo, hi = _share(w.shape[0], item, items)
+        _panels_into(x, w, scale, bias, out, lo, hi, sums)
+        last = finish(counters, phase, items)
+        item = claim(counters, phase)
+    return last
+
+
+@numba.njit(fastmath=True, cache=True)
+def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
+    """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``)."""
+    last = False
+    while item < items:
+        lo, hi = _share(out.shape[1] // PANEL, item, items)
+        _gate_up_share(x, w, scale, bias, out, lo, hi, sums)
+        last = finish(counters, phase, items)
+        item = claim(counters, phase)
+    return last
+
+
+@numba.njit(fastmath=True, cache=True)
+def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals, items, sums):
+    """``_linear_items`` for the LM head (``cpu_step_parts._head_share``)."""
+    last = False
+    while item < items:
+        lo, hi = _share(w.shape[0], item, items)
+        _head_share(x, w, scale, logits, tops, firsts, totals, item, lo, hi, sums)
+        last = finish(counters, phase, items)
+        item = claim(counters, phase)
+    return last
+
+
+@numba.njit(fastmath=True, cache=True)
+def _attention_items(counters, phase, q, keys, values, tables, lens, window, num_splits,
+                     part_max, part_sum, part_out, out):
+    """The work items (a sequence, or a split of its context) of one layer's decode
+    attention (``cpu_decode_attention._attend_part``) this thread claims; whether it
+    ended the last one."""
+    items = q.shape[0] * num_splits
+    last = False
+    item = claim(counters, phase)
+    while item < items:
+        _attend_part(q, keys, values, tables, lens, np.float32(1.0), window,
+                     np.float32(0.0), num_splits, part_max, part_sum, part_out, item, out)
+        last = finish(counters, phase, items)
+        item = claim(counters, phase)
+    return last
+
+
+@numba.njit(cache=True, inline="always")
+def _span(w, shares):
+    """How many bytes of each run of a share to ask for while waiting: up to
+    ``FETCH_BYTES``, within the run (a share of ``shares`` cut into four runs)."""
+    return min(FETCH_BYTES, w.shape[0] // shares // 4 * w.shape[1] * PANEL * w.itemsize)
+
+
+@numba.njit(cache=True, inline="always")
+def _panel_address(w, p):
+    return w.ctypes.data + p * w.shape[1] * PANEL * w.itemsize
+
+
+@numba.njit(cache=True, inline="always")
+def _linear_starts(w, item, items, batch):
+    """Where the runs of ``item``'s share of a GEMV over the panels w begin, in the order
+    ``cpu_gemv._panels_into`` reads them (addresses; 0: no run)."""
+    if item >= items or w.shape[0] == 0:
+        return 0, 0, 0, 0
+    lo, hi = _share(w.shape[0], item, items)
+    streams = _streams(batch)
+    run = (hi - lo) // streams
+    if run == 0:
+        return _panel_address(w, lo), 0, 0, 0
+    if streams == 2:
+        return _panel_address(w, lo), _panel_address(w, lo + run), 0, 0
+    return (_panel_address(w, lo), _panel_address(w, lo + run),
+            _panel_address(w, lo + 2 * run), _panel_address(w, lo + 3 * run))
+
+
+@numba.njit(cache=True, inline="always")
+def _gate_up_starts(w, item, items, batch):
+    """``_linear_starts`` for a share of the fused gate/up
+    (``cpu_step_parts._gate_up_share``: gate and up panels side by side)."""
+    if item >= items:
+        return 0, 0, 0, 0
+    gate_panels = w.shape[0] // 2
+    lo, hi = _share(gate_panels, item, items)
+    run = (hi - lo) // (_streams(batch) // 2)
+    if run == 0 or _streams(batch) == 2:
+        return _panel_address(w, lo), _panel_address(w, lo + gate_panels), 0, 0
+    return (_panel_address(w, lo), _panel_address(w, lo + gate_panels),
+            _panel_address(w, lo + run), _panel_address(w, lo + run + gate_panels))
+
+
+@numba.njit(cache=True, inline="always")
+def _wait_fetching(counters, phase, starts, span, offset):
+    """Wait for ``phase`` while asking the memory for the first ``span`` bytes of each
+    run in ``starts`` (the share this thread claimed of the next GEMV), a line of each
+    in turn from ``offset``: a thread that finished its share early would otherwise
+    leave its half of the memory's bandwidth idle. Returns how far it got."""
+    while not done(counters, phase):
+        if offset < span:
+            for start in starts:
+                if start != 0:
+                    _prefetch(start + offset)
+            offset += LINE
+        else:
+            spin()
+    return offset
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _gate_up_silu(x, w, scale, bias, out, parts):
-    """The merged gate/up projection (rows [0, I) gate, [I, 2I) up; its panels w, I a
-    multiple of 16) and SiLU(gate) * up: the [B, 2I] intermediate never exists. Each
-    thread takes a share of the gate panels and the up panels beside them, read side by
-    side: with one row of x two runs of its share, four streams (gate and up of each),
-    else two; ``parts`` as ``cpu_gemv._matvec``'s."""
-    inter, batch = out.shape[1], x.shape[0]
-    gate_panels = inter // PANEL
-    pairs = _streams(batch) // 2
-    for part in prange(parts):
-        lo, hi = _share(gate_panels, part, parts)
-        sums = np.empty((SUMS, PANEL), np.float32)
-        run = (hi - lo) // pairs
-        for j in range(run):
-            for b0 in range(0, batch, ROWS):
-                rows = min(ROWS, batch - b0)
-                _group_dots(w, lo + j, gate_panels, run, 2 * pairs, x, b0, rows, sums)
-                for t in range(pairs):
-                    _silu_panel(out, lo + j + t * run, t, rows, b0, sums, scale, bias, inter)
-        for p in range(lo + pairs * run, hi):
-            for b0 in range(0, batch, ROWS):
-                rows = min(ROWS, batch - b0)
-                _group_dots(w, p, gate_panels, 0, 2, x, b0, rows, sums)
-                _silu_panel(out, p, 0, rows, b0, sums, scale, bias, inter)
-
-
-@numba.njit(fastmath=True, cache=True)
-def _rms_norm(x, weight, eps, out):
-    """Each row of x [B, H]."""
-    for b in range(x.shape[0]):
-        total = np.float32(0.0)
-        for i in range(x.shape[1]):
-            total += x[b, i] * x[b, i]
-        inv = np.float32(1.0) / np.sqrt(total / x.shape[1] + eps)
-        for i in range(x.shape[1]):
-            out[b, i] = x[b, i] * inv * weight[i]
-
-
-@numba.njit(fastmath=True, cache=True)
-def _rope(x, cos, sin):
-    """Rotate-half RoPE in place on one row's heads x [H, D], with its position's cos/sin
-    rows [D]."""
-    half = x.shape[1] // 2
-    for h in range(x.shape[0]):
-        for i in range(half):
-            a, b = x[h, i], x[h, i + half]
-            x[h, i] = a * cos[i] - b * sin[i]
-            x[h, i + half] = b * cos[i + half] + a * sin[i + half]
-
-
-@numba.njit(fastmath=True, cache=True)
 def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                   gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
                   value_cache, windows, tables, positions, slots, cos_table, sin_table,
-                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, parts):
-    """One new token of each of B sequences through every layer. hidden [B, H]: the
+                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, head_w,
+                  head_s, logits, greedy_ids, greedy_logprobs, parts):
+    """One new token of each of B sequences through every layer, in one parallel region
+    of ``parts`` iterations (numba's thread count, see ``cpu_gemv._matvec``), the work
+    of each phase claimed by whichever thread is free (``cpu_sync``). hidden [B, H]: the
     tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
     layer's weight panels of that projection, by address (int64 [L]; element type
     ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
     [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
     D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
-    blocks; slots [B] where its K/V go (-1: nowhere); parts: numba's thread count (see
-    ``cpu_gemv._matvec``). Writes the final norm of the last residual to ``out`` [B, H]."""
+    blocks; slots [B] where its K/V go (-1: nowhere). Writes the final norm of the last
+    residual to ``out`` [B, H]; with LM head panels ``head_w`` (not empty; int8 scales
+    head_s) its logits [B, V] into ``logits``, and with greedy_ids / greedy_logprobs of
+    length B (not 0) each row's greedy token and its logprob
+    (``cpu_step_parts._merge_greedy``)."""
     rows, size = hidden.shape
+    layers = norms1.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv_rows = q_size + 2 * kv_size
     normed = np.empty((rows, size), np.float32)
     delta = np.empty((rows, size), np.float32)
     qkv = np.empty((rows, qkv_rows), np.float32)
+    q = np.empty((rows, num_heads, head_dim), np.float32)
     attn = np.empty((rows, num_heads, head_dim), np.float32)
     act = np.empty((rows, inter), np.float32)
     lens, num_splits = positions + 1, num_splits_for(rows, parts)
-    block_size = key_cache.shape[2]
-    for layer in range(norms1.shape[0]):
-        if layer > 0:
-            hidden += delta
-        _rms_norm(hidden, norms1[layer], eps, normed)
-        _matvec(normed, _weight(qkv_w, layer, like, qkv_rows, size), qkv_s[layer],
-                qkv_b[layer], qkv, parts)
-        q = np.empty((rows, num_heads, head_dim), np.float32)
-        for b in range(rows):
-            row = qkv[b]
-            qb = row[:q_size].reshape((num_heads, head_dim))
-            k = row[q_size:q_size + kv_size].reshape((num_kv_heads, head_dim))
-            v = row[q_size + kv_size:].reshape((num_kv_heads, head_dim))
-            cos, sin = cos_table[positions[b]], sin_table[positions[b]]
-            _rope(qb, cos, sin)
-            _rope(k, cos, sin)
-            for h in range(num_heads):
-                for d in range(head_dim):
-                    q[b, h, d] = qb[h, d] * scale
-            if slots[b] >= 0:
-                block, offset = slots[b] // block_size, slots[b] % block_size
-                for h in range(num_kv_heads):
-                    for d in range(head_dim):
-                        key_cache[layer, block, offset, h, d] = narrow_kv(k[h, d], key_cache)
-                        value_cache[layer, block, offset, h, d] = narrow_kv(v[h, d],
-                                                                            value_cache)
-        _paged_decode(q, key_cache[layer], value_cache[layer], tables, lens,
-                      np.float32(1.0), windows[layer], np.float32(0.0), num_splits, attn)
-        _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
-                o_s[layer], o_b[layer], delta, parts)
-        hidden += delta
-        _rms_norm(hidden, norms2[layer], eps, normed)
-        _gate_up_silu(normed, _weight(gu_w, layer, like, 2 * inter, size), gu_s[layer],
-                      gu_b[layer], act, parts)
-        _matvec(act, _weight(down_w, layer, like, size, inter), down_s[layer],
-                down_b[layer], delta, parts)
-    hidden += delta
-    _rms_norm(hidden, final_norm, eps, out)
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _logits_by_part(x, w, scale, logits, tops, firsts, totals, parts):
-    """logits [B, V] = x [B, H] W^T from the LM head's panels w (int8: times its scale);
-    then over each thread's share of the vocabulary, while it is in the cache, each row's
-    largest logit (tops [parts, B]), the first index holding it (firsts; -1 for an empty
-    share) and the sum of exp(logit - largest) (totals)."""
-    vocab, batch = logits.shape[1], x.shape[0]
-    for part in prange(parts):
-        lo, hi = _share(w.shape[0], part, parts)
-        _panels_into(x, w, scale, np.empty(0, np.float32), logits, lo, hi,
-                     np.empty((SUMS, PANEL), np.float32))
-        r0, r1 = lo * PANEL, min(hi * PANEL, vocab)
-        for b in range(batch):
-            firsts[part, b] = -1
-            if r1 <= r0:
-                continue
-            row = logits[b]
-            top = row[r0]
-            for i in range(r0, r1):
-                top = max(top, row[i])
-            for i in range(r0, r1):
-                if row[i] == top:
-                    firsts[part, b] = i
-                    break
-            total = np.float32(0.0)
-            for i in range(r0, r1):
-                total += exp32(row[i] - top)
-            tops[part, b], totals[part, b] = top, total
-
-
-@numba.njit(fastmath=True, cache=True)
-def _head_greedy(x, w, scale, logits, token_ids, logprobs, parts):
-    """logits [B, V] of the final hidden states x [B, H] through the LM head's panels w,
-    and each row's greedy token (the first index of its largest logit, as
-    ``torch.argmax``) with its log-softmax logprob (``kernels.cpu_greedy``'s numbers):
-    the shares' maxima and sums of ``_logits_by_part``, merged."""
-    batch = x.shape[0]
-    tops = np.empty((parts, batch), np.float32)
-    totals = np.empty((parts, batch), np.float32)
-    firsts = np.empty((parts, batch), np.int64)
-    _logits_by_part(x, w, scale, logits, tops, firsts, totals, parts)
-    for b in range(batch):
-        top, best = np.float32(0.0), -1
-        for p in range(parts):
-            if firsts[p, b] >= 0 and (best < 0 or tops[p, b] > top):
-                top, best = tops[p, b], firsts[p, b]
-        total = np.float32(0.0)
-        for p in range(parts):
-            if firsts[p, b] >= 0:
-                total += totals[p, b] * exp32(tops[p, b] - top)
-        token_ids[b], logprobs[b] = best, -np.log(total)
+    part_max = np.empty((rows, num_splits, num_heads), np.float32)
+    part_sum = np.empty((rows, num_splits, num_heads), np.float32)
+    part_out = np.empty((rows if num_splits > 1 else 0, num_splits, num_heads, head_dim),
+                        np.float32)
+    items = parts  # of each GEMV: finer shares (more, shorter streams) were slower
+    shares = items if greedy_ids.shape[0] > 0 else 0
+    tops = np.empty((shares, rows), np.float32)
+    totals = np.empty((shares, rows), np.float32)
+    firsts = np.empty((shares, rows), np.int64)
+    counters = phases(layers * PHASES + 1)
+    _rms_norm(hidden, norms1[0], eps, normed)
+    for _ in prange(parts):  # the threads: which one does what is claimed
+        sums = np.empty((SUMS, PANEL), np.float32)
+        item = claim(counters, 0)
+        for layer in range(layers):
+            keys, values = key_cache[layer], value_cache[layer]
+            phase = layer * PHASES
+            w_o = _weight(o_w, layer, like, size, q_size)
+            w_gu = _weight(gu_w, layer, like, 2 * inter, size)
+            w_down = _weight(down_w, layer, like, size, inter)
+            # Each thread claims its share of the next GEMV before it waits for this
+            # phase, and asks for its first panels meanwhile (``_wait_fetching``).
+            last = _linear_items(counters, phase, item, normed,
+                                 _weight(qkv_w, layer, like, qkv_rows, size),
+                                 qkv_s[layer], qkv_b[layer], qkv, items, sums)
+            item = claim(counters, phase + 2)
+            starts, span = _linear_starts(w_o, item, items, rows), _span(w_o, items)
+            if last:
+                _rope_and_cache(qkv, q, scale, keys, values, positions, slots, cos_table,
+                                sin_table)
+                publish(counters, phase)
+            fetched = _wait_fetching(counters, phase, starts, span, 0)
+            if _attention_items(counters, phase + 1, q, keys, values, tables, lens,
+                                windows[layer], num_splits, part_max, part_sum, part_out,
+                                attn):
+                if num_splits > 1:
+                    for seq in range(rows):
+                        _merge(part_max, part_sum, part_out, seq, attn)
+                publish(counters, phase + 1)
+            _wait_fetching(counters, phase + 1, starts, span, fetched)
+            last = _linear_items(counters, phase + 2, item, attn.reshape((rows, q_size)),
+                                 w_o, o_s[layer], o_b[layer], delta, items, sums)
+            item = claim(counters, phase + 3)
+            if last:
+                _add_rows(hidden, delta)
+                _rms_norm(hidden, norms2[layer], eps, normed)
+                publish(counters, phase + 2)
+            _wait_fetching(counters, phase + 2, _gate_up_starts(w_gu, item, items, rows),
+                           _span(w_gu, 2 * items), 0)
+            last = _gate_up_items(counters, phase + 3, item, normed, w_gu, gu_s[layer],
+                                  gu_b[layer], act, items, sums)
+            item = claim(counters, phase + 4)
+            if last:
+                publish(counters, phase + 3)
+            _wait_fetching(counters, phase + 3, _linear_starts(w_down, item, items, rows),
+                           _span(w_down, items), 0)
+            last = _linear_items(counters, phase + 4, item, act, w_down, down_s[layer],
+                                 down_b[layer], delta, items, sums)
+            item = claim(counters, phase + PHASES)  # the next layer's QKV, or the head
+            if layer + 1 < layers:
+                w_next = _weight(qkv_w, layer + 1, like, qkv_rows, size)
+            else:
+                w_next = head_w
+            if last:
+                _add_rows(hidden, delta)
+                if layer + 1 < layers:
+                    _rms_norm(hidden, norms1[layer + 1], eps, normed)
+                else:
+                    _rms_norm(hidden, final_norm, eps, out)
+                publish(counters, phase + 4)
+            _wait_fetching(counters, phase + 4, _linear_starts(w_next, item, items, rows),
+                           _span(w_next, items), 0)
+        if head_w.shape[0] > 0:
+            phase = layers * PHASES
+            if _head_items(counters, phase, item, out, head_w, head_s, logits, tops,
+                           firsts, totals, items, sums):
+                if shares > 0:
+                    _merge_greedy(tops, firsts, totals, greedy_ids, greedy_logprobs)
+                publish(counters, phase)
+            wait(counters, phase)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -281,22 +351,18 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
                     sin_table, num_heads, num_kv_heads, head_dim, scale, eps, final_norm,
                     head_w, head_s, logits, greedy_ids, greedy_logprobs, parts):
     """``_decoder_step`` from the token ids' rows of the embedding (a table [V / P, H, P],
-    ``cpu_gemv.embedding_table``), then the LM head's logits [B, V] (panels head_w, int8
-    scales head_s) into ``logits``; with greedy_ids / greedy_logprobs of length B (not
-    0), each row's greedy token and its logprob too (``_head_greedy``)."""
+    ``cpu_gemv.embedding_table``) through the LM head (panels head_w, int8 scales
+    head_s)."""
     rows, size, per = token_ids.shape[0], embedding.shape[1], embedding.shape[2]
     hidden = np.empty((rows, size), np.float32)
     for b in range(rows):
         hidden[b] = embedding[token_ids[b] // per, :, token_ids[b] % per]
-    final = np.empty((rows, size), np.float32)
     _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
                   gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
                   windows, tables, positions, slots, cos_table, sin_table, num_heads,
-                  num_kv_heads, head_dim, scale, eps, final_norm, final, parts)
-    if greedy_ids.shape[0] > 0:
-        _head_greedy(final, head_w, head_s, logits, greedy_ids, greedy_logprobs, parts)
-    else:
-        _matvec(final, head_w, head_s, np.empty(0, np.float32), logits, parts)
+                  num_kv_heads, head_dim, scale, eps, final_norm,
+                  np.empty((rows, size), np.float32), head_w, head_s, logits, greedy_ids,
+                  greedy_logprobs, parts)
 
 
 def _linears(modules: list[nn.Module]) -> tuple | None:
@@ -480,8 +546,17 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     hidden = embedding_rows(plan.embedding, token_ids).numpy()  # a copy: the residual stream
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, *_layer_args(plan, caches, block_tables, positions, slots),
-                  out.numpy(), numba.get_num_threads())
+                  out.numpy(), *_no_head(plan.like, hidden.shape[1]),
+                  numba.get_num_threads())
     return out
+
+
+def _no_head(like: np.ndarray, size: int) -> tuple:
+    """``_decoder_step``'s LM head arguments for a step that stops at the final hidden
+    states: no panels (of the stack's weight type), no scales, logits or greedy rows."""
+    empty = np.empty(0, np.float32)
+    return (np.empty((0, size, PANEL), like.dtype), empty, np.empty((0, 0), np.float32),
+            np.empty(0, np.int64), empty)
 
 
 @dataclass(slots=True)
@@ -546,7 +621,8 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
                   kv_heads, dim, np.float32(1.0), np.float32(1e-6),
                   np.ones(hidden, np.float32))
         _decoder_step(np.zeros((1, hidden), np.float32), *layers,
-                      np.empty((1, hidden), np.float32), numba.get_num_threads())
+                      np.empty((1, hidden), np.float32), *_no_head(np.empty(0, dtype), hidden),
+                      numba.get_num_threads())
         head = np.zeros(panel_shape(20, hidden), dtype)
         scale = np.ones(20 if dtype is np.int8 else 0, np.float32)
         _step_to_logits(np.zeros((20, hidden, 1), np.float32), zeros, *layers, head, scale,
