@@ -11,15 +11,17 @@ attention over the paged cache, the output projection, the residual add and RMSN
 gate/up with SiLU*mul fused into its rows, and the down projection. Each weight row is
 read from memory once for all the step's sequences.
 
-The step's threads (numba's, as many as torch's) enter one parallel region for the
-whole step (``cpu_sync``): each projection's shares and each layer's attention are work
-items any free thread claims, and whichever thread ends a phase's last item does the
-few thousand floats of serial work after it (RoPE and the cache write, a residual add
-and a norm). A ``prange`` loop a projection had cost about 150 forks and joins a step.
-A thread that is done with its share claims its share of the next projection before it
-waits, and asks the memory for that share's first lines meanwhile
-(``_wait_fetching``): the threads end a phase up to tens of microseconds apart, and
-the waiting one had left its half of the memory's bandwidth idle.
+A one-row step (N=1 decode, bound by the memory) runs in one parallel region of numba's
+threads (as many as torch's) for the whole step (``_one_region``, ``cpu_sync``): each
+projection's shares and each layer's attention are work items any free thread claims,
+and whichever thread ends a phase's last item does the few thousand floats of serial
+work after it (RoPE and the cache write, a residual add and a norm). A ``prange`` loop
+a projection cost about 150 forks and joins a step. A thread that is done with its share
+claims its share of the next projection before it waits, and asks the memory for that
+share's first lines meanwhile (``_wait_fetching``): the threads end a phase up to tens
+of microseconds apart, and the waiting one had left its half of the memory's bandwidth
+idle. Steps of more rows (bound by arithmetic) take a ``prange`` loop a projection and
+attention, the rest on the calling thread (``_by_op``): the region was slower there.
 
 Up to ``MAX_ROWS`` sequences with float32 weights, ``MAX_ROWS_INT8`` with int8: measured
 on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GEMMs
@@ -51,11 +53,17 @@ from numba.extending import intrinsic
 from torch import nn
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_decode_attention import _attend_part, _merge, num_splits_for
+from rvllm.kernels.cpu_decode_attention import (
+    _attend_part,
+    _merge,
+    _paged_decode,
+    num_splits_for,
+)
 from rvllm.kernels.cpu_gemv import (
     PANEL,
     SUMS,
     Panels,
+    _matvec,
     _panels_into,
     _share,
     _streams,
@@ -66,6 +74,8 @@ from rvllm.kernels.cpu_gemv import (
 from rvllm.kernels.cpu_math import _prefetch, kv_array
 from rvllm.kernels.cpu_step_parts import (
     _gate_up_share,
+    _gate_up_silu,
+    _head_greedy,
     _head_share,
     _merge_greedy,
     _rms_norm,
@@ -107,7 +117,7 @@ LINE = 64  # bytes of a cache line
 FETCH_BYTES = 64 * 1024
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _add_rows(hidden, delta):
     """hidden += delta, [B, H]: a loop (an array expression in a prange body would be a
     parallel loop of its own for numba to serialise)."""
@@ -116,7 +126,7 @@ def _add_rows(hidden, delta):
             hidden[b, i] += delta[b, i]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
     """The shares of out = x W^T (``cpu_gemv._panels_into``) this thread claims of
     ``phase``'s ``items``, from ``item`` (claimed before); whether it ended the last one
@@ -130,7 +140,7 @@ def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
     return last
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
     """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``)."""
     last = False
@@ -142,7 +152,7 @@ def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
     return last
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals, items, sums):
     """``_linear_items`` for the LM head (``cpu_step_parts._head_share``)."""
     last = False
@@ -154,7 +164,7 @@ def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals
     return last
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _attention_items(counters, phase, q, keys, values, tables, lens, window, num_splits,
                      part_max, part_sum, part_out, out):
     """The work items (a sequence, or a split of its context) of one layer's decode
@@ -233,24 +243,13 @@ def _wait_fetching(counters, phase, starts, span, offset):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
-                  gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
-                  value_cache, windows, tables, positions, slots, cos_table, sin_table,
-                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, head_w,
-                  head_s, logits, greedy_ids, greedy_logprobs, parts):
-    """One new token of each of B sequences through every layer, in one parallel region
-    of ``parts`` iterations (numba's thread count, see ``cpu_gemv._matvec``), the work
-    of each phase claimed by whichever thread is free (``cpu_sync``). hidden [B, H]: the
-    tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
-    layer's weight panels of that projection, by address (int64 [L]; element type
-    ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
-    [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
-    D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
-    blocks; slots [B] where its K/V go (-1: nowhere). Writes the final norm of the last
-    residual to ``out`` [B, H]; with LM head panels ``head_w`` (not empty; int8 scales
-    head_s) its logits [B, V] into ``logits``, and with greedy_ids / greedy_logprobs of
-    length B (not 0) each row's greedy token and its logprob
-    (``cpu_step_parts._merge_greedy``)."""
+def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
+                gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
+                value_cache, windows, tables, positions, slots, cos_table, sin_table,
+                num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, head_w,
+                head_s, logits, greedy_ids, greedy_logprobs, parts):
+    """``_decoder_step`` (its arguments) in one parallel region of ``parts`` iterations,
+    the work of each phase claimed by whichever thread is free (``cpu_sync``)."""
     rows, size = hidden.shape
     layers = norms1.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -342,6 +341,83 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                     _merge_greedy(tops, firsts, totals, greedy_ids, greedy_logprobs)
                 publish(counters, phase)
             wait(counters, phase)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _by_op(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s, gu_b,
+           down_w, down_s, down_b, like, inter, key_cache, value_cache, windows, tables,
+           positions, slots, cos_table, sin_table, num_heads, num_kv_heads, head_dim,
+           scale, eps, final_norm, out, head_w, head_s, logits, greedy_ids,
+           greedy_logprobs, parts):
+    """``_decoder_step`` as a parallel loop a projection and an attention, the rest on
+    the calling thread between them (``_one_region`` was 3-13% slower at 4 and 8 rows
+    on a 2-core Zen 3, alternated in one process: there a thread computes, and the
+    shares' ends drift further apart)."""
+    rows, size = hidden.shape
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv_rows = q_size + 2 * kv_size
+    normed = np.empty((rows, size), np.float32)
+    delta = np.empty((rows, size), np.float32)
+    qkv = np.empty((rows, qkv_rows), np.float32)
+    q = np.empty((rows, num_heads, head_dim), np.float32)
+    attn = np.empty((rows, num_heads, head_dim), np.float32)
+    act = np.empty((rows, inter), np.float32)
+    lens, num_splits = positions + 1, num_splits_for(rows, parts)
+    for layer in range(norms1.shape[0]):
+        if layer > 0:
+            _add_rows(hidden, delta)
+        _rms_norm(hidden, norms1[layer], eps, normed)
+        _matvec(normed, _weight(qkv_w, layer, like, qkv_rows, size), qkv_s[layer],
+                qkv_b[layer], qkv, parts)
+        _rope_and_cache(qkv, q, scale, key_cache[layer], value_cache[layer], positions,
+                        slots, cos_table, sin_table)
+        _paged_decode(q, key_cache[layer], value_cache[layer], tables, lens,
+                      np.float32(1.0), windows[layer], np.float32(0.0), num_splits, attn)
+        _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
+                o_s[layer], o_b[layer], delta, parts)
+        _add_rows(hidden, delta)
+        _rms_norm(hidden, norms2[layer], eps, normed)
+        _gate_up_silu(normed, _weight(gu_w, layer, like, 2 * inter, size), gu_s[layer],
+                      gu_b[layer], act, parts)
+        _matvec(act, _weight(down_w, layer, like, size, inter), down_s[layer],
+                down_b[layer], delta, parts)
+    _add_rows(hidden, delta)
+    _rms_norm(hidden, final_norm, eps, out)
+    if head_w.shape[0] == 0:
+        return
+    if greedy_ids.shape[0] > 0:
+        _head_greedy(out, head_w, head_s, logits, greedy_ids, greedy_logprobs, parts)
+    else:
+        _matvec(out, head_w, head_s, np.empty(0, np.float32), logits, parts)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
+                  gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
+                  value_cache, windows, tables, positions, slots, cos_table, sin_table,
+                  num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, head_w,
+                  head_s, logits, greedy_ids, greedy_logprobs, parts):
+    """One new token of each of B sequences through every layer. hidden [B, H]: the
+    tokens' embeddings, then the residual stream as the layers run. ``*_w``: each
+    layer's weight panels of that projection, by address (int64 [L]; element type
+    ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
+    [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
+    D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
+    blocks; slots [B] where its K/V go (-1: nowhere); parts: numba's thread count (see
+    ``cpu_gemv._matvec``). Writes the final norm of the last residual to ``out`` [B,
+    H]; with LM head panels ``head_w`` (not empty; int8 scales head_s) its logits [B, V]
+    into ``logits``, and with greedy_ids / greedy_logprobs of length B (not 0) each
+    row's greedy token and its logprob (``cpu_step_parts._merge_greedy``). One row:
+    ``_one_region``; more: ``_by_op``."""
+    args = (hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s, gu_b,
+            down_w, down_s, down_b, like, inter, key_cache, value_cache, windows, tables,
+            positions, slots, cos_table, sin_table, num_heads, num_kv_heads, head_dim,
+            scale, eps, final_norm, out, head_w, head_s, logits, greedy_ids,
+            greedy_logprobs, parts)
+    if hidden.shape[0] == 1:
+        _one_region(*args)
+    else:
+        _by_op(*args)
 
 
 @numba.njit(fastmath=True, cache=True)

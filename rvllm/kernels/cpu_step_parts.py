@@ -108,7 +108,7 @@ def _rope(x, cos, sin):
             x[h, i + half] = b * cos[i + half] + a * sin[i + half]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _rope_and_cache(qkv, q, scale, key_cache, value_cache, positions, slots, cos_table,
                     sin_table):
     """For each row of qkv [B, Hq D + 2 Hk D] (one layer's projection): RoPE on its query
@@ -165,7 +165,7 @@ def _head_share(x, w, scale, logits, tops, firsts, totals, part, lo, hi, sums):
         tops[part, b], totals[part, b] = top, total
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _merge_greedy(tops, firsts, totals, token_ids, logprobs):
     """Each row's greedy token (the first index of its largest logit, as ``torch.argmax``)
     and its log-softmax logprob (``kernels.cpu_greedy``'s numbers) from the shares'
