@@ -242,6 +242,17 @@ def _wait_fetching(counters, phase, starts, span, offset):
     return offset
 
 
+@numba.njit(cache=True, inline="always")
+def _buffers(rows, size, qkv_rows, num_heads, head_dim, inter):
+    """A step's activations: the normed rows, a layer's output delta, the QKV projection,
+    the scaled queries, attention's output and SiLU(gate) * up."""
+    return (np.empty((rows, size), np.float32), np.empty((rows, size), np.float32),
+            np.empty((rows, qkv_rows), np.float32),
+            np.empty((rows, num_heads, head_dim), np.float32),
+            np.empty((rows, num_heads, head_dim), np.float32),
+            np.empty((rows, inter), np.float32))
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                 gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
@@ -254,12 +265,8 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     layers = norms1.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv_rows = q_size + 2 * kv_size
-    normed = np.empty((rows, size), np.float32)
-    delta = np.empty((rows, size), np.float32)
-    qkv = np.empty((rows, qkv_rows), np.float32)
-    q = np.empty((rows, num_heads, head_dim), np.float32)
-    attn = np.empty((rows, num_heads, head_dim), np.float32)
-    act = np.empty((rows, inter), np.float32)
+    normed, delta, qkv, q, attn, act = _buffers(rows, size, qkv_rows, num_heads, head_dim,
+                                                inter)
     lens, num_splits = positions + 1, num_splits_for(rows, parts)
     part_max = np.empty((rows, num_splits, num_heads), np.float32)
     part_sum = np.empty((rows, num_splits, num_heads), np.float32)
@@ -351,17 +358,13 @@ def _by_op(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_
            greedy_logprobs, parts):
     """``_decoder_step`` as a parallel loop a projection and an attention, the rest on
     the calling thread between them (``_one_region`` was 3-13% slower at 4 and 8 rows
-    on a 2-core Zen 3, alternated in one process: there a thread computes, and the
-    shares' ends drift further apart)."""
+    on a 2-core Zen 3, alternated in one process: bound by arithmetic, its threads
+    waited longer at the phases' ends)."""
     rows, size = hidden.shape
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv_rows = q_size + 2 * kv_size
-    normed = np.empty((rows, size), np.float32)
-    delta = np.empty((rows, size), np.float32)
-    qkv = np.empty((rows, qkv_rows), np.float32)
-    q = np.empty((rows, num_heads, head_dim), np.float32)
-    attn = np.empty((rows, num_heads, head_dim), np.float32)
-    act = np.empty((rows, inter), np.float32)
+    normed, delta, qkv, q, attn, act = _buffers(rows, size, qkv_rows, num_heads, head_dim,
+                                                inter)
     lens, num_splits = positions + 1, num_splits_for(rows, parts)
     for layer in range(norms1.shape[0]):
         if layer > 0:

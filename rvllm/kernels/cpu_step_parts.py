@@ -3,9 +3,10 @@ between and around their GEMVs, in numba: RMSNorm, RoPE and the KV-cache write, 
 fused gate/up projection with SiLU*mul, and the LM head's greedy pass.
 
 Each piece that a step shares out among threads comes as a share (``_gate_up_share``,
-``_head_share``: items [lo, hi) of the whole), so that one parallel region can run it
-(``cpu_decoder_step``); the ``prange`` wrappers (``_gate_up_silu``, ``_head_greedy``) run
-the same shares as a loop of their own, and are what the tests hold to torch.
+``_head_share``: items [lo, hi) of the whole), so that the one-row step's parallel region
+can run it (``cpu_decoder_step._one_region``); the ``prange`` wrappers (``_gate_up_silu``,
+``_head_greedy``) run the same shares as a loop of their own, for steps of more rows, and
+are what the tests hold to torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Work shared out inside one parallel region of numba's threads, in phases.
 
-A decode step of a few rows runs about 150 dependent pieces of parallel work (four
+A one-row decode step runs about 150 dependent pieces of parallel work (four
 projections and an attention a layer, then the LM head). As a ``prange`` loop each, every
 piece paid a fork and a join of numba's threads, and the threads waited with the
 memory idle. Here the step's threads enter one ``prange`` loop once, and each phase's work
