@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget of one step (default 2048)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="greedy decode steps one engine step may run in one compiled call "
+                        "(CPU, numba kernels; tokens then stream in bursts this long)")
     g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
     g.add_argument("--num-cpu-blocks", type=int, default=0,
                    help="CPU swap space in KV blocks (preempted requests swap out to it)")
@@ -95,6 +98,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
+        num_scheduler_steps=ns.num_scheduler_steps,
         seed=ns.seed,
         chat_template=ns.chat_template,
         num_cpu_blocks=ns.num_cpu_blocks,

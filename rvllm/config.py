@@ -225,8 +225,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1  # decode steps a batch of greedy decodes may run ahead
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(
+                f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -254,6 +258,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Greedy decode steps one engine step may run in one compiled call (CPU, numba
+    # kernels): the engine's Python once per this many tokens (kernels.cpu_decode_steps).
+    num_scheduler_steps: int = 1
     seed: int = 0
     chat_template: str | None = None
     show_progress: bool = False

@@ -81,7 +81,9 @@ class LLMEngine:
         phase = time.perf_counter()
         # The numba kernels load from numba's cache on a thread of their own meanwhile.
         self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype,
-                                                       kv_dtype, args.quantization == "int8")
+                                                       kv_dtype, args.quantization == "int8",
+                                                       args.num_scheduler_steps > 1)
+        _check_scheduler_steps(args, self.kernel_backend)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -402,7 +404,9 @@ class LLMEngine:
                     # the token sampled from its last position is dropped.
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 else:
-                    self._append_token(out, now)
+                    self._append_token(seq, out.token_id, out.logprob, out.top_ids,
+                                       out.top_logprobs, now)
+                    self._append_later_tokens(seq, out.later_tokens, now)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
 
@@ -421,16 +425,25 @@ class LLMEngine:
             self.tp_group.check_alive(grace=_WORKER_EXIT_GRACE_S)
             raise
 
-    def _append_token(self, out: SeqStepOutput, now: float) -> None:
-        seq = out.seq
-        token = out.token_id
-        assert token is not None
+    def _append_later_tokens(self, seq: Sequence, tokens: tuple[tuple[int, float], ...],
+                             now: float) -> None:
+        """The tokens of a multi-step decode's later steps, each as if its own step had
+        made it; those after the sequence has finished are dropped."""
+        for token, logprob in tokens:
+            if seq.status.is_finished:
+                return
+            seq.num_computed_tokens += 1  # the step that made it computed its input
+            self.block_manager.cache_full_blocks(seq)
+            self._append_token(seq, token, logprob, None, None, now)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float,
+                      top_ids: list[int] | None, top_logprobs: list[float] | None,
+                      now: float) -> None:
         seq.token_ids.append(token)
-        seq.cumulative_logprob += out.logprob
+        seq.cumulative_logprob += logprob
         self.stats["generation_tokens"] += 1
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token, out.logprob, out.top_ids,
-                                                    out.top_logprobs))
+            seq.logprobs.append(self._logprob_entry(token, logprob, top_ids, top_logprobs))
         delta = seq.detokenizer.add_token(token) if seq.detokenizer is not None else ""
         seq.text += delta
         metrics = self.requests[seq.request_id].metrics
@@ -519,10 +532,10 @@ class _Warming(threading.Thread):
     """The numba kernels loading (or compiling) on a thread while the engine loads the
     tokenizer and the weights; ``join`` re-raises what the loading raised."""
 
-    def __init__(self, kv_dtype: torch.dtype, int8: bool) -> None:
+    def __init__(self, kv_dtype: torch.dtype, int8: bool, multi_step: bool) -> None:
         super().__init__(name="rvllm-numba-warm-up", daemon=True)
         self.error: BaseException | None = None
-        self.kv_dtype, self.int8 = kv_dtype, int8
+        self.kv_dtype, self.int8, self.multi_step = kv_dtype, int8, multi_step
         self.start()
 
     def run(self) -> None:
@@ -530,7 +543,7 @@ class _Warming(threading.Thread):
 
         start = time.perf_counter()
         try:
-            warm_up_numba(self.kv_dtype, self.int8)
+            warm_up_numba(self.kv_dtype, self.int8, self.multi_step)
         except BaseException as error:  # noqa: BLE001 - handed to the joining thread
             self.error = error
             return
@@ -544,7 +557,8 @@ class _Warming(threading.Thread):
 
 
 def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, int8: bool) -> tuple[str, _Warming | None]:
+                    kv_dtype: torch.dtype, int8: bool, multi_step: bool
+                    ) -> tuple[str, _Warming | None]:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
     The numba kernels start loading from numba's cache (or compiling) on a thread: join
@@ -553,7 +567,7 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
 
     backend = resolve_kernel_backend(requested, device, dtype)
     # Only the forms this engine runs: each one loaded is start-up time.
-    warming = _Warming(kv_dtype, int8) if backend == "numba" else None
+    warming = _Warming(kv_dtype, int8, multi_step) if backend == "numba" else None
     if backend == "triton":
         from rvllm.kernels import check_kernels
 
@@ -563,6 +577,17 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
                     len(checked), time.perf_counter() - start)
     set_kernel_backend(backend)
     return backend, warming
+
+
+def _check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
+    """Multi-step decoding runs only in the CPU's compiled decode (numba kernels, one
+    rank): refuse it elsewhere rather than ignore it."""
+    if args.num_scheduler_steps > 1 and (kernel_backend != "numba"
+                                         or args.tensor_parallel_size > 1):
+        raise ValueError(
+            f"num_scheduler_steps={args.num_scheduler_steps} needs the CPU's numba decode "
+            f"path on one rank; this engine runs the {kernel_backend} kernels with "
+            f"tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
 def _preemption_mode(args: EngineArgs) -> str:
@@ -625,7 +650,8 @@ def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
             f"({max_model_len}) with chunked prefill off: long prompts could never run. "
             "Raise it or enable chunked prefill."
         )
-    return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill)
+    return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill,
+                           args.num_scheduler_steps)
 
 
 def _as_list(value: Any) -> list[int]:

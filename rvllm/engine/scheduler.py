@@ -7,6 +7,11 @@ admitted in arrival order while the budget, ``max_num_seqs`` and the block
 pool allow; a prompt larger than the remaining budget is chunked. When the pool
 runs dry, the newest running sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed later.
+
+With ``num_scheduler_steps`` above one, a step of decodes alone, with nothing waiting,
+may run several decode steps ahead (``SchedulerOutput.num_steps``): each sequence gets
+the blocks of every one of those steps' positions up front, and never by preempting
+another for them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # Decode steps the batch may run before the next schedule (each sequence has the
+    # blocks for them): one, unless ``Scheduler._lookahead`` found more.
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -79,7 +87,26 @@ class Scheduler:
             budget = self._swap_in(budget, out)
             if not self.swapped:
                 self._admit_waiting(budget, out)
+        out.num_steps = self._lookahead(out)
         return out
+
+    def _lookahead(self, out: SchedulerOutput) -> int:
+        """How many decode steps ``out`` may run: up to ``num_scheduler_steps`` when it
+        is all decodes, nothing waits, and the pool has the blocks for every sequence's
+        next positions (and no sequence is left fewer tokens to make)."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
+            return 1
+        for s in out.scheduled:
+            if s.num_new_tokens != 1 or not s.samples:
+                return 1
+            steps = min(steps, s.seq.max_tokens - s.seq.num_output_tokens)
+        if steps <= 1:
+            return 1
+        # A failure leaves the blocks taken so far in place: the coming steps use them.
+        if not all(self.block_manager.allocate_slots(s.seq, steps) for s in out.scheduled):
+            return 1
+        return steps
 
     def _fit_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for ``seq``, preempting newer sequences; False if it was preempted."""

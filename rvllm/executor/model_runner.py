@@ -39,6 +39,9 @@ class SeqStepOutput:
     # (logprob of each actual next prompt token, top ids, top logprobs) for this chunk
     prompt_logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
     prompt_next_ids: list[int] | None = None
+    # The tokens (and logprobs) of the decode steps after the first, when one step ran
+    # several (``SchedulerOutput.num_steps``): the engine appends them in turn.
+    later_tokens: tuple[tuple[int, float], ...] = ()
 
 
 class ModelRunner:
@@ -161,6 +164,10 @@ class ModelRunner:
             logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
         if decode_only and use_numba():
+            if sched.num_steps > 1:
+                outputs = self._run_compiled_steps(decodes, sched.num_steps)
+                if outputs is not None:
+                    return outputs
             compiled = self._run_compiled_decode(decodes)
             if compiled is not None:
                 return self._sample(ordered, plan, compiled.logits, compiled.greedy)
@@ -240,19 +247,54 @@ class ModelRunner:
         decode_logits = getattr(self.model, "decode_logits", None)
         if decode_logits is None:
             return None
+        ids, pos, slots, tables = self._decode_arrays(decodes, 1)
+        greedy = all(plain_greedy(s.seq.params, s.seq.num_output_tokens) for s in decodes)
+        return decode_logits(ids, pos, slots, tables, greedy)
+
+    def _run_compiled_steps(self, decodes: list[ScheduledSeq], num_steps: int
+                            ) -> list[SeqStepOutput] | None:
+        """Up to ``num_steps`` decode steps in one compiled CPU call, each step's tokens
+        the next one's input (``CausalLM.decode_greedy_steps``), when every sequence is
+        ``plain_greedy``: each output has the first step's token, and ``later_tokens``
+        the rest. The call stops early once every sequence has made one of its stop
+        tokens. None where that does not cover the step."""
+        greedy_steps = getattr(self.model, "decode_greedy_steps", None)
+        if greedy_steps is None or not all(
+                plain_greedy(s.seq.params, s.seq.num_output_tokens) for s in decodes):
+            return None
+        ids, pos, _, tables = self._decode_arrays(decodes, num_steps)
+        stop_sets = [s.seq.params.eos_token_ids.union(s.seq.params.stop_token_ids)
+                     for s in decodes]
+        stops = np.full((len(decodes), max(1, *map(len, stop_sets))), -1, np.int64)
+        for row, tokens in zip(stops, stop_sets):
+            row[:len(tokens)] = sorted(tokens)
+        found = greedy_steps(ids, pos, tables, self.block_size, num_steps, stops)
+        if found is None:
+            return None
+        tokens, logprobs = found
+        outputs = []
+        for i, s in enumerate(decodes):
+            out = SeqStepOutput(s.seq, 1, tokens[0][i], logprobs[0][i])
+            out.later_tokens = tuple((t[i], lp[i]) for t, lp in zip(tokens[1:], logprobs[1:]))
+            outputs.append(out)
+        return outputs
+
+    def _decode_arrays(self, decodes: list[ScheduledSeq], num_steps: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The compiled decode's inputs, straight from the sequences: each one's token,
+        position and cache slot (int64 [B]), and its block table (int64 [B, W], padded
+        with block 0) as far as the position of the last of ``num_steps`` steps."""
         bs, rows = self.block_size, len(decodes)
         ids, pos, slots = (np.empty(rows, np.int64) for _ in range(3))
-        width = max(s.seq.num_computed_tokens for s in decodes) // bs + 1
+        width = (max(s.seq.num_computed_tokens for s in decodes) + num_steps - 1) // bs + 1
         tables = np.zeros((rows, width), np.int64)
-        greedy = True
         for i, s in enumerate(decodes):
             seq = s.seq
             p, table = seq.num_computed_tokens, seq.block_table
             ids[i], pos[i], slots[i] = seq.token_ids[p], p, table[p // bs] * bs + p % bs
             used = table[:width]
             tables[i, :len(used)] = used
-            greedy = greedy and plain_greedy(seq.params, seq.num_output_tokens)
-        return decode_logits(ids, pos, slots, tables, greedy)
+        return ids, pos, slots, tables
 
     def _decode_gather(self, decodes: list[ScheduledSeq], lazy_slots: bool = False
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -44,10 +44,12 @@ def match_torch_threads() -> None:
         numba.set_num_threads(want)
 
 
-def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
+def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
+                  multi_step: bool = False) -> None:
     """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, for a
-    KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, so the
-    first decode step does not pay for it. Each form loaded costs start-up time."""
+    KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, and the
+    multi-step decode (``multi_step``), so the first decode step does not pay for it.
+    Each form loaded costs start-up time."""
     from rvllm.kernels import cpu_dequant
 
     cpu_dequant.warm_up()  # first, even before the other modules' imports (0.05-0.07 s):
@@ -68,6 +70,10 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> N
     cpu_decoder_step.warm_up(kv_dtype, int8)
     cpu_batch_step.warm_up(kv_dtype, int8)
     cpu_greedy.warm_up()
+    if multi_step:
+        from rvllm.kernels import cpu_decode_steps
+
+        cpu_decode_steps.warm_up(kv_dtype, int8)
 
 
 # (device, dtype, kernel) already checked in this process: once is enough.

@@ -42,6 +42,7 @@ also the reference this is tested against (``tests/test_cpu_decoder_step.py``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -602,9 +603,10 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
 
 
 def _layer_args(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
-                block_tables: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple:
-    """``_decoder_step``'s arguments from ``norms1`` to ``final_norm``, as both of its
-    callers pass them."""
+                block_tables: np.ndarray, positions: np.ndarray, slots: np.ndarray | int
+                ) -> tuple:
+    """``_decoder_step``'s arguments from ``norms1`` to ``final_norm``, as its callers
+    pass them (``cpu_decode_steps`` passes a block size in the slots' place)."""
     return (plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w, plan.o_s, plan.o_b,
             plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b, plan.down_w, plan.down_s,
             plan.down_b, plan.like, plan.inter, *caches, plan.windows, block_tables,
@@ -675,13 +677,15 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
                         (ids.tolist(), logprobs.tolist()) if greedy else None)
 
 
-def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
-    """Compile (or load from numba's cache) the step for float32 weights (and int8 ones
-    when ``int8``) on a one-layer toy stack with a cache of ``kv_dtype``, so a model's
-    first decode step does not pay for it."""
+def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True
+                 ) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
+    """For float32 weights (and int8 ones when ``int8``): ``_layer_args`` of a one-layer
+    toy stack with a cache of ``kv_dtype`` and one row, and a toy LM head's panels and
+    scales. The toy weights live while the caller iterates."""
     heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 16
-    kept = []  # the toy weights stay alive while the step reads them by address
     for dtype in (np.float32, np.int8) if int8 else (np.float32,):
+        kept = []  # the step reads the toy weights by address
+
         def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
             weight = np.zeros(panel_shape(rows, cols), dtype)
             kept.append(weight)
@@ -699,11 +703,21 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
                   zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
                   kv_heads, dim, np.float32(1.0), np.float32(1e-6),
                   np.ones(hidden, np.float32))
+        yield (layers, np.zeros(panel_shape(20, hidden), dtype),
+               np.ones(20 if dtype is np.int8 else 0, np.float32))
+
+
+def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
+    """Compile (or load from numba's cache) the step for float32 weights (and int8 ones
+    when ``int8``) on a one-layer toy stack with a cache of ``kv_dtype``, so a model's
+    first decode step does not pay for it."""
+    for layers, head, scale in warm_up_args(kv_dtype, int8):
+        hidden = layers[0].shape[1]
+        like = layers[14]
         _decoder_step(np.zeros((1, hidden), np.float32), *layers,
-                      np.empty((1, hidden), np.float32), *_no_head(np.empty(0, dtype), hidden),
+                      np.empty((1, hidden), np.float32), *_no_head(like, hidden),
                       numba.get_num_threads())
-        head = np.zeros(panel_shape(20, hidden), dtype)
-        scale = np.ones(20 if dtype is np.int8 else 0, np.float32)
-        _step_to_logits(np.zeros((20, hidden, 1), np.float32), zeros, *layers, head, scale,
-                        np.empty((1, 20), np.float32), np.empty(1, np.int64),
-                        np.empty(1, np.float32), numba.get_num_threads())
+        _step_to_logits(np.zeros((20, hidden, 1), np.float32), np.zeros(1, np.int64),
+                        *layers, head, scale, np.empty((1, 20), np.float32),
+                        np.empty(1, np.int64), np.empty(1, np.float32),
+                        numba.get_num_threads())

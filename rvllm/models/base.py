@@ -201,17 +201,35 @@ class CausalLM(nn.Module):
         (``kernels.cpu_decoder_step.decode_logits``: numpy int64 token ids, positions,
         cache slots [B] and block tables [B, W]), or None where that does not cover this
         model or step: then ``forward`` and ``compute_logits`` run it."""
-        if (not use_numba() or type(self).forward is not CausalLM.forward
-                or type(self).compute_logits is not CausalLM.compute_logits
-                or type(self.model) is not DecoderModel):
-            return None
-        plan = self.model.step_plan()
+        plan = self._step_plan()
         if plan is None:
             return None
         from rvllm.kernels.cpu_decoder_step import decode_logits
 
         return decode_logits(plan, self.lm_head, token_ids, positions, slots, block_tables,
                              greedy)
+
+    def decode_greedy_steps(self, token_ids: np.ndarray, positions: np.ndarray,
+                            block_tables: np.ndarray, block_size: int, num_steps: int,
+                            stops: np.ndarray) -> tuple[list[list[int]], list[list[float]]] | None:
+        """Up to ``num_steps`` greedy decode steps in one compiled CPU call, each step's
+        argmax the next one's input (``kernels.cpu_decode_steps``): each step's tokens and
+        their logprobs, or None where ``decode_logits`` would not cover the step."""
+        plan = self._step_plan()
+        if plan is None:
+            return None
+        from rvllm.kernels.cpu_decode_steps import decode_greedy_steps
+
+        return decode_greedy_steps(plan, self.lm_head, token_ids, positions, block_tables,
+                                   block_size, num_steps, stops)
+
+    def _step_plan(self) -> DecoderStepPlan | None:
+        """The compiled CPU step's plan, where it computes exactly this model."""
+        if (not use_numba() or type(self).forward is not CausalLM.forward
+                or type(self).compute_logits is not CausalLM.compute_logits
+                or type(self.model) is not DecoderModel):
+            return None
+        return self.model.step_plan()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
