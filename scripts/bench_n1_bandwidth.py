@@ -7,12 +7,17 @@ alternates two measurements so a drift in the machine's speed reaches both alike
   thread, as one, and as four streams of 16-lane vector loads, in turns (the fastest is
   the limit: on an Intel machine eight streams read 25-30% more than one, on an AMD Zen 4
   one read 10-20% more, on a 2-core Zen 3 the vector streams were 0-5% faster than eight);
-- ``--steps`` decode steps of one sequence through the engine (``LLMEngine.step``, the
-  sampling and Python included).
-Each step's weight bytes over its median time, as a share of the faster read's median rate, is
-the "share of the bandwidth limit" of issue 6.
+- ``--steps`` decode tokens of one sequence through the engine (``LLMEngine.step``, the
+  sampling and Python included), one engine step a token; and with
+  ``--num-scheduler-steps K`` as many again, K tokens an engine step (multi-step
+  decoding), in turns with the first.
+A token's weight bytes over its median time (per round: the round's time over its tokens),
+as a share of the fastest read's median rate, is the "share of the bandwidth limit" of
+issue 6. The step also reads the sequence's KV cache, which grows with it: the share with
+those bytes counted too is printed beside it.
 
     python scripts/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
+        [--num-scheduler-steps 8]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from rvllm import LLM, SamplingParams
+from rvllm.engine.sequence import Sequence
 from rvllm.kernels.cpu_vectors import _FAST, _VEC, LANES, _int, _vector_at
 
 STREAMS = 4
@@ -117,15 +123,40 @@ def weight_bytes(llm: LLM) -> int:
                if getattr(module, "panel_weight", None) is not None)
 
 
+def kv_bytes_per_position(llm: LLM) -> int:
+    """Bytes of keys and values one position of context adds to what a step reads."""
+    config = llm.engine.model_config
+    size = llm.engine.cache_config.cache_dtype.itemsize
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * size
+
+
+def decode_round(llm: LLM, seq: Sequence, tokens: int, num_steps: int) -> tuple[float, float]:
+    """Seconds a token over ``tokens`` tokens of decoding with ``num_steps`` scheduler
+    steps, and the mean context length their steps read."""
+    engine = llm.engine
+    engine.scheduler.config.num_scheduler_steps = num_steps
+    start_tokens, contexts = seq.num_tokens, []
+    t = time.perf_counter()
+    while seq.num_tokens - start_tokens < tokens and not seq.status.is_finished:
+        before = seq.num_tokens
+        engine.step()
+        contexts.extend(range(before, seq.num_tokens))
+    elapsed = time.perf_counter() - t
+    return elapsed / (seq.num_tokens - start_tokens), statistics.fmean(contexts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=32, help="decode steps a round")
+    parser.add_argument("--steps", type=int, default=32, help="decode tokens a round")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="also time rounds of this many tokens an engine step")
     ns = parser.parse_args()
 
-    llm = LLM(ns.model, quantization=ns.quantization)
+    ahead = ns.num_scheduler_steps
+    llm = LLM(ns.model, quantization=ns.quantization, num_scheduler_steps=ahead)
     engine = llm.engine
     nbytes = weight_bytes(llm)
     if nbytes == 0:
@@ -136,32 +167,39 @@ def main() -> None:
              f"{STREAMS} vector streams a thread": (read_vectors, [])}
     for read, _ in reads.values():
         read(buf, parts)
-    params = SamplingParams(temperature=0, max_tokens=ns.rounds * ns.steps + 8,
-                            ignore_eos=True)
-    engine.add_request(None, {"prompt_token_ids": list(range(10, 42))}, params)
+    kinds = [1] if ahead == 1 else [1, ahead]
+    # Room for the warm-up's steps (each up to ``ahead`` tokens) and every round's tokens.
+    params = SamplingParams(temperature=0, ignore_eos=True,
+                            max_tokens=ns.rounds * len(kinds) * ns.steps + 3 * ahead)
+    engine.add_request("n1", {"prompt_token_ids": list(range(10, 42))}, params)
+    seq = engine.requests["n1"].seqs[0]
     for _ in range(3):  # the prefill and the first decode steps
         engine.step()
-    steps = []
+    rounds: dict[int, list[tuple[float, float]]] = {k: [] for k in kinds}
     for _ in range(ns.rounds):
         for _ in range(3):
             for read, rates in reads.values():
                 t = time.perf_counter()
                 read(buf, parts)
                 rates.append(buf.nbytes / (time.perf_counter() - t))
-        for _ in range(ns.steps):
-            t = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t)
-    step = statistics.median(steps)
+        for k in kinds:
+            rounds[k].append(decode_round(llm, seq, ns.steps, k))
     print(f"model {ns.model} ({ns.quantization or 'float32'}), {parts} threads")
     print(f"weight bytes a step reads: {nbytes / 1e6:.1f} MB")
     for name, (_, rates) in reads.items():
         print(f"read of {buf.nbytes / 1e6:.0f} MB, {name}: median "
               f"{statistics.median(rates) / 1e9:.1f} GB/s (best {max(rates) / 1e9:.1f})")
     read_rate = max(statistics.median(rates) for _, rates in reads.values())
-    print(f"N=1 decode step: median {step * 1e3:.2f} ms = {1 / step:.1f} tok/s = "
-          f"{nbytes / step / 1e9:.1f} GB/s of weights, {nbytes / step / read_rate:.0%} of "
-          f"the read")
+    per_position = kv_bytes_per_position(llm)
+    for k, results in rounds.items():
+        token = statistics.median(t for t, _ in results)
+        context = statistics.fmean(c for _, c in results)
+        with_kv = nbytes + per_position * context
+        print(f"N=1 decode, {k} token(s) an engine step: median {token * 1e3:.2f} ms a token"
+              f" = {1 / token:.1f} tok/s = {nbytes / token / 1e9:.1f} GB/s of weights, "
+              f"{nbytes / token / read_rate:.1%} of the read; with the KV cache (mean "
+              f"context {context:.0f}, {per_position * context / 1e6:.1f} MB) "
+              f"{with_kv / token / read_rate:.1%}")
 
 
 if __name__ == "__main__":
