@@ -20,8 +20,8 @@ python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smo
 python -m compileall -q -j 0 rvllm >/dev/null
 # Compile the CPU kernels into numba's cache (next to their sources) now, not at the first
 # `rvllm serve`: 15-20 s once per machine (the cache is specific to the CPU), a fraction of
-# a second once cached.
+# a second once cached; the multi-step decode (--num-scheduler-steps) too.
 python -c "import rvllm, torch
 from rvllm.kernels import warm_up_numba
-warm_up_numba()
+warm_up_numba(multi_step=True)
 print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"
