@@ -28,6 +28,7 @@ from rvllm.kernels.cpu_decoder_step import (
     DecoderStepPlan,
     _layer_args,
     _step_to_logits,
+    logits_call_parts,
     warm_up_args,
 )
 
@@ -80,19 +81,18 @@ def decode_greedy_steps(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np
     (int64 [B, W]), and stop tokens (int64 [B, S], padded with -1): each step's tokens
     [steps][B] and their logprobs. None where ``decode_logits`` would not cover the
     step."""
-    caches, head = plan.caches(), plan.head(lm_head)
     rows = token_ids.shape[0]
-    if caches is None or head is None or rows > plan.max_rows:
+    parts = logits_call_parts(plan, lm_head, rows)
+    if parts is None:
         return None
-    if plan._logits is None:
-        plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
+    caches, head, logits = parts
     ids = np.empty((num_steps, rows), np.int64)
     logprobs = np.empty((num_steps, rows), np.float32)
     match_torch_threads()
     # In the place of the slots, the block size: each step finds its own from the tables.
     args = _layer_args(plan, caches, block_tables, positions, block_size)
     taken = _greedy_steps(plan.embedding.numpy(), token_ids, *args, head.weight, head.scale,
-                          plan._logits[:rows], stops, ids, logprobs, numba.get_num_threads())
+                          logits, stops, ids, logprobs, numba.get_num_threads())
     return ids[:taken].tolist(), logprobs[:taken].tolist()
 
 

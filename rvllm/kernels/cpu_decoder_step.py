@@ -648,6 +648,19 @@ class DecodeLogits:
     greedy: tuple[list[int], list[float]] | None  # each row's argmax and its logprob
 
 
+def logits_call_parts(plan: DecoderStepPlan, lm_head: nn.Module, rows: int
+                      ) -> tuple[tuple[np.ndarray, np.ndarray], Panels, np.ndarray] | None:
+    """What a compiled call of ``rows`` rows through to the logits needs beside the
+    plan: the stacked KV caches, the LM head's panels, and a logits buffer [rows, V]
+    that each call writes over. None where such a call cannot run."""
+    caches, head = plan.caches(), plan.head(lm_head)
+    if caches is None or head is None or rows > plan.max_rows:
+        return None
+    if plan._logits is None:
+        plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
+    return caches, head, plan._logits[:rows]
+
+
 def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
                   greedy: bool) -> DecodeLogits | None:
@@ -661,13 +674,11 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
     on code and data fetched from memory again: at N=1 the two calls and tensors of
     ``decoder_step`` plus ``compute_logits`` and the sampler's pass cost 0.5-0.8 ms of
     a 9 ms step (the random Llama, 2-core Zen 5); here what is left of them is the call."""
-    caches, head = plan.caches(), plan.head(lm_head)
     rows = token_ids.shape[0]
-    if caches is None or head is None or rows > plan.max_rows:
+    parts = logits_call_parts(plan, lm_head, rows)
+    if parts is None:
         return None
-    if plan._logits is None:
-        plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
-    logits = plan._logits[:rows]
+    caches, head, logits = parts
     ids, logprobs = np.empty(rows if greedy else 0, np.int64), np.empty(rows, np.float32)
     match_torch_threads()
     _step_to_logits(plan.embedding.numpy(), token_ids,
