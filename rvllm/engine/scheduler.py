@@ -93,7 +93,7 @@ class Scheduler:
     def _lookahead(self, out: SchedulerOutput) -> int:
         """How many decode steps ``out`` may run: up to ``num_scheduler_steps`` when it
         is all decodes, nothing waits, and the pool has the blocks for every sequence's
-        next positions (and no sequence is left fewer tokens to make)."""
+        next positions; never more than any of its sequences has tokens left to make."""
         steps = self.config.num_scheduler_steps
         if steps == 1 or self.waiting or self.swapped or out.preempted or not out.scheduled:
             return 1
