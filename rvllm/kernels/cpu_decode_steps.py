@@ -25,14 +25,13 @@ from torch import nn
 
 from rvllm.kernels import match_torch_threads
 from rvllm.kernels.cpu_decoder_step import (
+    SLOTS_ARG,
     DecoderStepPlan,
     _layer_args,
     _step_to_logits,
     logits_call_parts,
     warm_up_args,
 )
-
-SLOTS = 21  # where the cache slots are in ``_layer_args``
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -102,7 +101,8 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
     it."""
     for layers, head, scale in warm_up_args(kv_dtype, int8):
         _greedy_steps(np.zeros((20, layers[0].shape[1], 1), np.float32),
-                      np.zeros(1, np.int64), *layers[:SLOTS], 4, *layers[SLOTS + 1:], head,
-                      scale, np.empty((1, 20), np.float32), np.full((1, 1), -1, np.int64),
+                      np.zeros(1, np.int64), *layers[:SLOTS_ARG], 4,
+                      *layers[SLOTS_ARG + 1:], head, scale, np.empty((1, 20), np.float32),
+                      np.full((1, 1), -1, np.int64),
                       np.empty((2, 1), np.int64), np.empty((2, 1), np.float32),
                       numba.get_num_threads())

@@ -602,6 +602,10 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
     return DecoderStepPlan(layers, attrs)
 
 
+# Where ``_layer_args`` puts the weights' element type (``like``) and the cache slots.
+LIKE_ARG, SLOTS_ARG = 14, 21
+
+
 def _layer_args(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
                 block_tables: np.ndarray, positions: np.ndarray, slots: np.ndarray | int
                 ) -> tuple:
@@ -724,7 +728,7 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
     first decode step does not pay for it."""
     for layers, head, scale in warm_up_args(kv_dtype, int8):
         hidden = layers[0].shape[1]
-        like = layers[14]
+        like = layers[LIKE_ARG]
         _decoder_step(np.zeros((1, hidden), np.float32), *layers,
                       np.empty((1, hidden), np.float32), *_no_head(like, hidden),
                       numba.get_num_threads())
