@@ -19,8 +19,17 @@ python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smo
 # start wherever Python may not write bytecode (PYTHONDONTWRITEBYTECODE), 0.2-0.3 s of it.
 python -m compileall -q -j 0 rvllm >/dev/null
 # Compile the CPU kernels into numba's cache (next to their sources) now, not at the first
-# `rvllm serve`: 15-20 s once per machine (the cache is specific to the CPU), a fraction of
-# a second once cached; the multi-step decode (--num-scheduler-steps) too.
+# `rvllm serve`: once per machine (the cache is specific to the CPU), a fraction of a
+# second once cached; the multi-step decode (--num-scheduler-steps) too. The int8 weights'
+# forms compile in a second process meanwhile (numba compiles on one core: 6-7 minutes
+# in one process on a 2-core Zen 3); the last pass loads them all, and compiles again
+# whatever a process's cache index lost to the other's.
+python -c "from rvllm.kernels import warm_up_numba
+warm_up_numba(multi_step=True, float32=False)" &
+int8_forms=$!
+python -c "from rvllm.kernels import warm_up_numba
+warm_up_numba(int8=False, multi_step=True)"
+wait "$int8_forms"
 python -c "import rvllm, torch
 from rvllm.kernels import warm_up_numba
 warm_up_numba(multi_step=True)

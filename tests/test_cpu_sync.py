@@ -4,12 +4,15 @@ phase, however many iterations the region has on however many threads."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import pytest
 
 # rvllm.kernels is imported inside the tests: test_kernels.py must be first to import it.
 
 
+@cache  # compiled once for all the cases, not once each
 def _phased_region():  # noqa: ANN202
     import numba
 

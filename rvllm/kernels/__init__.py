@@ -45,15 +45,18 @@ def match_torch_threads() -> None:
 
 
 def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
-                  multi_step: bool = False) -> None:
+                  multi_step: bool = False, float32: bool = True) -> None:
     """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, for a
     KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, and the
     multi-step decode (``multi_step``), so the first decode step does not pay for it.
-    Each form loaded costs start-up time."""
+    Each form loaded costs start-up time. Without ``float32``: only the int8 weights'
+    forms (and int8 quantization), which another process may compile meanwhile
+    (``scripts/setup.sh``)."""
     from rvllm.kernels import cpu_dequant
 
-    cpu_dequant.warm_up()  # first, even before the other modules' imports (0.05-0.07 s):
-    # a GGUF model's loading waits for these
+    if float32:
+        cpu_dequant.warm_up()  # first, even before the other modules' imports (0.05-0.07
+        # s): a GGUF model's loading waits for these
     from rvllm.kernels import (
         cpu_batch_step,
         cpu_decode_attention,
@@ -65,15 +68,17 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
 
     if int8:
         cpu_quantize.warm_up()  # then its int8 quantization
-    cpu_decode_attention.warm_up(kv_dtype)
-    cpu_gemv.warm_up(int8)
-    cpu_decoder_step.warm_up(kv_dtype, int8)
-    cpu_batch_step.warm_up(kv_dtype, int8)
-    cpu_greedy.warm_up()
+    if float32:
+        cpu_decode_attention.warm_up(kv_dtype)
+    cpu_gemv.warm_up(int8, float32)
+    cpu_decoder_step.warm_up(kv_dtype, int8, float32)
+    cpu_batch_step.warm_up(kv_dtype, int8, float32)
+    if float32:
+        cpu_greedy.warm_up()
     if multi_step:
         from rvllm.kernels import cpu_decode_steps
 
-        cpu_decode_steps.warm_up(kv_dtype, int8)
+        cpu_decode_steps.warm_up(kv_dtype, int8, float32)
 
 
 # (device, dtype, kernel) already checked in this process: once is enough.

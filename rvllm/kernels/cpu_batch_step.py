@@ -248,14 +248,15 @@ def _prefill_attention(module: torch.nn.Module, prefills: list, q: torch.Tensor,
         out[rows] = module._prefill(q[rows], keys, values, mask).reshape(p.num_tokens, -1)
 
 
-def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
-    """Compile (or load from numba's cache) the three kernels for float32 weights (and with
-    int8 scaling when ``int8``), with a cache of ``kv_dtype``, so a model's first wide
-    decode step does not pay for it."""
+def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
+            float32: bool = True) -> None:
+    """Compile (or load from numba's cache) the three kernels for float32 weights (unless
+    not ``float32``) and with int8 scaling (when ``int8``), with a cache of ``kv_dtype``,
+    so a model's first wide decode step does not pay for it."""
     rows, heads, kv_heads, dim = 1, 2, 1, 4
     hidden, inter = heads * dim, 4
     ones = np.ones(hidden, np.float32)
-    for quantize in (False, True) if int8 else (False,):
+    for quantize in (False,) * float32 + (True,) * int8:
         scales = np.ones(rows if quantize else 0, np.float32)
         none = np.empty(0, np.float32)
         x = np.zeros((rows, hidden), np.float32)

@@ -95,11 +95,12 @@ def decode_greedy_steps(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np
     return ids[:taken].tolist(), logprobs[:taken].tolist()
 
 
-def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
+def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
+            float32: bool = True) -> None:
     """Compile (or load from numba's cache) ``_greedy_steps`` for the weights and caches
     ``cpu_decoder_step.warm_up`` covers, so the first multi-step call does not pay for
     it."""
-    for layers, head, scale in warm_up_args(kv_dtype, int8):
+    for layers, head, scale in warm_up_args(kv_dtype, int8, float32):
         _greedy_steps(np.zeros((20, layers[0].shape[1], 1), np.float32),
                       np.zeros(1, np.int64), *layers[:SLOTS_ARG], 4,
                       *layers[SLOTS_ARG + 1:], head, scale, np.empty((1, 20), np.float32),

@@ -395,7 +395,6 @@ def _by_op(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_
         _matvec(out, head_w, head_s, np.empty(0, np.float32), logits, parts)
 
 
-@numba.njit(fastmath=True, cache=True)
 def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                   gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
                   value_cache, windows, tables, positions, slots, cos_table, sin_table,
@@ -412,7 +411,9 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     H]; with LM head panels ``head_w`` (not empty; int8 scales head_s) its logits [B, V]
     into ``logits``, and with greedy_ids / greedy_logprobs of length B (not 0) each
     row's greedy token and its logprob (``cpu_step_parts._merge_greedy``). One row:
-    ``_one_region``; more: ``_by_op``."""
+    ``_one_region``; more: ``_by_op``. Plain Python: numba optimizes a compiled caller
+    again with all its callees' code linked in, 15-18 s a form for this dispatch alone
+    (``_step_to_logits`` makes it itself)."""
     args = (hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s, gu_b,
             down_w, down_s, down_b, like, inter, key_cache, value_cache, windows, tables,
             positions, slots, cos_table, sin_table, num_heads, num_kv_heads, head_dim,
@@ -437,12 +438,16 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
     hidden = np.empty((rows, size), np.float32)
     for b in range(rows):
         hidden[b] = embedding[token_ids[b] // per, :, token_ids[b] % per]
-    _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
-                  gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
-                  windows, tables, positions, slots, cos_table, sin_table, num_heads,
-                  num_kv_heads, head_dim, scale, eps, final_norm,
-                  np.empty((rows, size), np.float32), head_w, head_s, logits, greedy_ids,
-                  greedy_logprobs, parts)
+    args = (hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
+            gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
+            windows, tables, positions, slots, cos_table, sin_table, num_heads,
+            num_kv_heads, head_dim, scale, eps, final_norm,
+            np.empty((rows, size), np.float32), head_w, head_s, logits, greedy_ids,
+            greedy_logprobs, parts)
+    if rows == 1:
+        _one_region(*args)
+    else:
+        _by_op(*args)
 
 
 def _linears(modules: list[nn.Module]) -> tuple | None:
@@ -692,13 +697,20 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
                         (ids.tolist(), logprobs.tolist()) if greedy else None)
 
 
-def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True
-                 ) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
-    """For float32 weights (and int8 ones when ``int8``): ``_layer_args`` of a one-layer
-    toy stack with a cache of ``kv_dtype`` and one row, and a toy LM head's panels and
-    scales. The toy weights live while the caller iterates."""
+def weight_types(int8: bool, float32: bool = True) -> tuple[type, ...]:
+    """The weights' element types a warm-up covers: float32 unless not ``float32``, int8
+    when ``int8``."""
+    return (np.float32,) * float32 + (np.int8,) * int8
+
+
+def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
+                 float32: bool = True) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
+    """For float32 weights (unless not ``float32``) and int8 ones (when ``int8``):
+    ``_layer_args`` of a one-layer toy stack with a cache of ``kv_dtype`` and one row,
+    and a toy LM head's panels and scales. The toy weights live while the caller
+    iterates."""
     heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 16
-    for dtype in (np.float32, np.int8) if int8 else (np.float32,):
+    for dtype in weight_types(int8, float32):
         kept = []  # the step reads the toy weights by address
 
         def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
@@ -722,11 +734,12 @@ def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True
                np.ones(20 if dtype is np.int8 else 0, np.float32))
 
 
-def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True) -> None:
-    """Compile (or load from numba's cache) the step for float32 weights (and int8 ones
-    when ``int8``) on a one-layer toy stack with a cache of ``kv_dtype``, so a model's
-    first decode step does not pay for it."""
-    for layers, head, scale in warm_up_args(kv_dtype, int8):
+def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
+            float32: bool = True) -> None:
+    """Compile (or load from numba's cache) the step for float32 weights (unless not
+    ``float32``) and int8 ones (when ``int8``) on a one-layer toy stack with a cache of
+    ``kv_dtype``, so a model's first decode step does not pay for it."""
+    for layers, head, scale in warm_up_args(kv_dtype, int8, float32):
         hidden = layers[0].shape[1]
         like = layers[LIKE_ARG]
         _decoder_step(np.zeros((1, hidden), np.float32), *layers,

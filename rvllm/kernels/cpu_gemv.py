@@ -394,11 +394,12 @@ def gemv(x: torch.Tensor, weight: Panels) -> torch.Tensor:
     return out
 
 
-def warm_up(int8: bool = True) -> None:
-    """Compile (or load from numba's cache) the kernel for float32 weights, and for int8
-    weights too when ``int8``."""
+def warm_up(int8: bool = True, float32: bool = True) -> None:
+    """Compile (or load from numba's cache) the kernel for float32 weights (unless not
+    ``float32``), and for int8 weights too when ``int8``."""
     x = torch.zeros(1, 4)
-    gemv(x, panels(torch.zeros(2, 4)))
-    panels_in_place(torch.zeros(PANEL, 4))
+    if float32:
+        gemv(x, panels(torch.zeros(2, 4)))
+        panels_in_place(torch.zeros(PANEL, 4))
     if int8:
         gemv(x, panels(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2)))
