@@ -7,7 +7,7 @@ constant (``layers/backend.py``) kept its stale machine code when only that othe
 module changed, say by a ``git pull``, and ran the old code. Importing this module
 (every ``cpu_*`` kernel module does, before its first ``njit``) makes numba check the
 kernels' cached code against a digest of all of those sources instead: any change to
-any of them compiles every kernel afresh (15-20 s, once). Where the cache lives is
+any of them compiles every kernel afresh (minutes, once: ``scripts/setup.sh``). Where the cache lives is
 numba's choice as before (``NUMBA_CACHE_DIR``, else beside the sources, else the
 user's cache directory); other functions' caching is left alone.
 """
