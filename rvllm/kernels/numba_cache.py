@@ -7,9 +7,9 @@ constant (``layers/backend.py``) kept its stale machine code when only that othe
 module changed, say by a ``git pull``, and ran the old code. Importing this module
 (every ``cpu_*`` kernel module does, before its first ``njit``) makes numba check the
 kernels' cached code against a digest of all of those sources instead: any change to
-any of them compiles every kernel afresh (minutes, once: ``scripts/setup.sh``). Where the cache lives is
-numba's choice as before (``NUMBA_CACHE_DIR``, else beside the sources, else the
-user's cache directory); other functions' caching is left alone.
+any of them compiles every kernel afresh (minutes, once: ``scripts/setup.sh``). Where
+the cache lives is numba's choice as before (``NUMBA_CACHE_DIR``, else beside the
+sources, else the user's cache directory); other functions' caching is left alone.
 """
 
 from __future__ import annotations
