@@ -362,3 +362,45 @@ def test_panel_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
                           empty if b is None else b.numpy(), act.numpy(), parts)
             gate, up = F.linear(x, dense, b).chunk(2, dim=-1)
             torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_mlp_shares_of_the_one_row_step_equal_their_torch_reference(int8: bool) -> None:
+    """The one-row decoder step runs the MLP by shares of the intermediate
+    (``cpu_decoder_step._mlp_items``): each share's SiLU(gate) * up, then the down
+    projection over just those columns (``cpu_gemv._panels_into`` with a column range),
+    and the shares' partial sums added with the down bias (``_add_mlp``). Every count of
+    shares, with a last down panel partly padding, must give torch's MLP."""
+    from rvllm.kernels.cpu_decoder_step import _add_mlp, _mlp_items
+    from rvllm.kernels.cpu_gemv import PANEL, SUMS, panels
+    from rvllm.kernels.cpu_sync import claim, phases
+
+    gen = torch.Generator().manual_seed(int(int8))
+    hidden, inter = 40, 3 * PANEL
+
+    def weight(n: int, k: int) -> tuple:
+        if not int8:
+            dense = torch.randn(n, k, generator=gen) / k**0.5
+            return panels(dense), dense
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, generator=gen) / 50
+        return panels(q, scale), q.float() * scale[:, None]
+
+    (gu, gu_dense), (down, down_dense) = weight(2 * inter, hidden), weight(hidden, inter)
+    empty = torch.empty(0).numpy()
+    for rows in (1, 3):
+        x = torch.randn(rows, hidden, generator=gen)
+        gate, up = F.linear(x, gu_dense).chunk(2, dim=-1)
+        for items in (1, 2, 3):
+            for bias in (None, torch.randn(hidden, generator=gen)):
+                counters, act = phases(1), torch.empty(rows, inter).numpy()
+                partials = torch.full((items, rows, hidden), float("nan")).numpy()
+                sums = torch.empty(SUMS, PANEL).numpy()
+                # one thread claims every share in turn, and ends the last
+                assert _mlp_items(counters, 0, claim(counters, 0), x.numpy(), gu.weight,
+                                  gu.scale, empty, act, down.weight, down.scale, partials,
+                                  items, sums)
+                out = torch.ones(rows, hidden)
+                _add_mlp(out.numpy(), partials, empty if bias is None else bias.numpy())
+                want = 1 + F.linear(F.silu(gate) * up, down_dense, bias)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
