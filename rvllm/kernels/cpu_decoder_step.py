@@ -16,16 +16,12 @@ threads (as many as torch's) for the whole step (``_one_region``, ``cpu_sync``):
 projection's shares and each layer's attention are work items any free thread claims,
 and whichever thread ends a phase's last item does the few thousand floats of serial
 work after it (RoPE and the cache write, a residual add and a norm). A ``prange`` loop
-a projection cost about 150 forks and joins a step. The MLP is one phase, not two: a
-thread's share of gate/up is a share of the intermediate's columns, and it goes on at once
-to the down projection over those columns, a partial sum of the output that the phase's
-tail adds up with the others (``_mlp_items``); no thread waits between the two. A thread
-that is done with its share claims its share of the next projection before it waits,
-and asks the memory for that share's first lines meanwhile (``_wait_fetching``): the
-threads end a phase up to tens of microseconds apart, and the waiting one had left its
-half of the memory's bandwidth idle. Steps of more rows (bound by arithmetic) take a
-``prange`` loop a projection and attention, the rest on the calling thread (``_by_op``):
-the region was slower there.
+a projection cost about 150 forks and joins a step. A thread that is done with its share
+claims its share of the next projection before it waits, and asks the memory for that
+share's first lines meanwhile (``_wait_fetching``): the threads end a phase up to tens
+of microseconds apart, and the waiting one had left its half of the memory's bandwidth
+idle. Steps of more rows (bound by arithmetic) take a ``prange`` loop a projection and
+attention, the rest on the calling thread (``_by_op``): the region was slower there.
 
 Up to ``MAX_ROWS`` sequences with float32 weights, ``MAX_ROWS_INT8`` with int8: measured
 on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GEMMs
@@ -115,10 +111,9 @@ MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
 
 # A layer's phases in the step's parallel region (``cpu_sync``): the QKV projection (its
 # tail: RoPE and the cache write), attention (tail: the splits' merge), the output
-# projection (tail: the residual add and the second norm), the MLP (gate/up and down by
-# shares of the intermediate, ``_mlp_items``; tail: the residual add of the shares' sum
-# and the next layer's norm); after the last layer, the LM head.
-PHASES = 4
+# projection (tail: the residual add and the second norm), gate/up, down (tail: the
+# residual add and the next layer's norm); after the last layer, the LM head.
+PHASES = 5
 LINE = 64  # bytes of a cache line
 FETCH_BYTES = 64 * 1024
 
@@ -147,37 +142,15 @@ def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _mlp_items(counters, phase, item, x, w_gu, gu_s, gu_b, act, w_down, down_s, partials,
-               items, sums):
-    """The MLP's shares this thread claims (from ``item``, claimed before): SiLU(gate) *
-    up for a share of the intermediate's columns (``cpu_step_parts._gate_up_share``),
-    then at once the down projection over just those columns, a partial sum of the
-    layer's output delta, into ``partials[item]`` (without the down bias: ``_add_mlp``
-    adds it). No thread waits between gate/up and down: each needs only what it made
-    itself. Whether it ended the last share."""
+def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
+    """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``)."""
     last = False
     while item < items:
-        lo, hi = _share(act.shape[1] // PANEL, item, items)
-        _gate_up_share(x, w_gu, gu_s, gu_b, act, lo, hi, sums)
-        _panels_into(act, w_down, down_s, partials[0, 0, :0], partials[item], 0,
-                     w_down.shape[0], sums, lo * PANEL, hi * PANEL)
+        lo, hi = _share(out.shape[1] // PANEL, item, items)
+        _gate_up_share(x, w, scale, bias, out, lo, hi, sums)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
     return last
-
-
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _add_mlp(hidden, partials, bias):
-    """hidden += the sum of the MLP's partial deltas [S, B, H] (``_mlp_items``) + the down
-    bias ([H], or empty)."""
-    for b in range(hidden.shape[0]):
-        for i in range(hidden.shape[1]):
-            total = partials[0, b, i]
-            for t in range(1, partials.shape[0]):
-                total += partials[t, b, i]
-            if bias.shape[0] > 0:
-                total += bias[i]
-            hidden[b, i] += total
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
@@ -301,7 +274,6 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     part_out = np.empty((rows if num_splits > 1 else 0, num_splits, num_heads, head_dim),
                         np.float32)
     items = parts  # of each GEMV: finer shares (more, shorter streams) were slower
-    partials = np.empty((items, rows, size), np.float32)  # the MLP's (``_mlp_items``)
     shares = items if greedy_ids.shape[0] > 0 else 0
     tops = np.empty((shares, rows), np.float32)
     totals = np.empty((shares, rows), np.float32)
@@ -346,22 +318,28 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                 publish(counters, phase + 2)
             _wait_fetching(counters, phase + 2, _gate_up_starts(w_gu, item, items, rows),
                            _span(w_gu, 2 * items), 0)
-            last = _mlp_items(counters, phase + 3, item, normed, w_gu, gu_s[layer],
-                              gu_b[layer], act, w_down, down_s[layer], partials, items,
-                              sums)
+            last = _gate_up_items(counters, phase + 3, item, normed, w_gu, gu_s[layer],
+                                  gu_b[layer], act, items, sums)
+            item = claim(counters, phase + 4)
+            if last:
+                publish(counters, phase + 3)
+            _wait_fetching(counters, phase + 3, _linear_starts(w_down, item, items, rows),
+                           _span(w_down, items), 0)
+            last = _linear_items(counters, phase + 4, item, act, w_down, down_s[layer],
+                                 down_b[layer], delta, items, sums)
             item = claim(counters, phase + PHASES)  # the next layer's QKV, or the head
             if layer + 1 < layers:
                 w_next = _weight(qkv_w, layer + 1, like, qkv_rows, size)
             else:
                 w_next = head_w
             if last:
-                _add_mlp(hidden, partials, down_b[layer])
+                _add_rows(hidden, delta)
                 if layer + 1 < layers:
                     _rms_norm(hidden, norms1[layer + 1], eps, normed)
                 else:
                     _rms_norm(hidden, final_norm, eps, out)
-                publish(counters, phase + 3)
-            _wait_fetching(counters, phase + 3, _linear_starts(w_next, item, items, rows),
+                publish(counters, phase + 4)
+            _wait_fetching(counters, phase + 4, _linear_starts(w_next, item, items, rows),
                            _span(w_next, items), 0)
         if head_w.shape[0] > 0:
             phase = layers * PHASES

@@ -181,44 +181,42 @@ def _streams(batch):
 
 
 @numba.njit(cache=True, inline="always")
-def _panel_dots(w, p, x, b0, rows, sums, c0=0, c1=-1):
+def _panel_dots(w, p, x, b0, rows, sums):
     """sums[b, j] = x[b0 + b] . weight row 16p + j, for b < rows (at most ROWS): panel p
     of the panels w [P, K, 16], x [B, K] float32 and C-contiguous, sums float32 [SUMS,
-    16]; over columns [c0, c1) only (c1 -1: to K)."""
+    16]."""
     k = w.shape[1]
-    n = (k if c1 < 0 else c1) - c0
-    address = w.ctypes.data + (p * k + c0) * PANEL * w.itemsize
-    xa, step, out = x.ctypes.data + b0 * x.strides[0] + c0 * 4, x.strides[0], sums.ctypes.data
+    address = w.ctypes.data + p * k * PANEL * w.itemsize
+    xa, step, out = x.ctypes.data + b0 * x.strides[0], x.strides[0], sums.ctypes.data
     if rows == 1:
-        _pass1(address, xa, step, n, out, w)
+        _pass1(address, xa, step, k, out, w)
     elif rows == 2:
-        _pass2(address, xa, step, n, out, w)
+        _pass2(address, xa, step, k, out, w)
     elif rows == 3:
-        _pass3(address, xa, step, n, out, w)
+        _pass3(address, xa, step, k, out, w)
     else:
-        _pass4(address, xa, step, n, out, w)
+        _pass4(address, xa, step, k, out, w)
 
 
 @numba.njit(cache=True, inline="always")
-def _group_dots(w, p, inner, outer, streams, x, b0, rows, sums, c0=0, c1=-1):
+def _group_dots(w, p, inner, outer, streams, x, b0, rows, sums):
     """sums[s * rows + b, j] = x[b0 + b] . weight row 16 p_s + j for the panels p_s = p +
     (s % 2) * inner + (s // 2) * outer, s < streams (four with one row, else two), read
-    side by side; b < rows (at most ROWS); over columns [c0, c1) only (c1 -1: to K)."""
+    side by side; b < rows (at most ROWS)."""
     k = w.shape[1]
     size = k * PANEL * w.itemsize
-    address = w.ctypes.data + p * size + c0 * PANEL * w.itemsize
-    xa, step, out = x.ctypes.data + b0 * x.strides[0] + c0 * 4, x.strides[0], sums.ctypes.data
-    n = (k if c1 < 0 else c1) - c0
+    address = w.ctypes.data + p * size
+    xa, step, out = x.ctypes.data + b0 * x.strides[0], x.strides[0], sums.ctypes.data
     if streams == 4:
-        _s4r1(address, inner * size, outer * size, xa, step, n, out, w)
+        _s4r1(address, inner * size, outer * size, xa, step, k, out, w)
     elif rows == 1:
-        _s2r1(address, inner * size, outer * size, xa, step, n, out, w)
+        _s2r1(address, inner * size, outer * size, xa, step, k, out, w)
     elif rows == 2:
-        _s2r2(address, inner * size, outer * size, xa, step, n, out, w)
+        _s2r2(address, inner * size, outer * size, xa, step, k, out, w)
     elif rows == 3:
-        _s2r3(address, inner * size, outer * size, xa, step, n, out, w)
+        _s2r3(address, inner * size, outer * size, xa, step, k, out, w)
     else:
-        _s2r4(address, inner * size, outer * size, xa, step, n, out, w)
+        _s2r4(address, inner * size, outer * size, xa, step, k, out, w)
 
 
 @numba.njit(cache=True, inline="always")
@@ -248,26 +246,24 @@ def _put_panel(out, p, s, rows, b0, sums, scale, bias):
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
-def _panels_into(x, w, scale, bias, out, lo, hi, sums, c0=0, c1=-1):
+def _panels_into(x, w, scale, bias, out, lo, hi, sums):
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
     int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
     share is cut into ``_streams`` runs, read side by side: panel j of each run together
-    (a last few panels one at a time). With columns [c0, c1) (c1 -1: to K), the part of
-    the product over those columns of x and W only (a column share: what a thread that
-    made only x[:, c0:c1] can add up at once; ``cpu_decoder_step``'s MLP)."""
+    (a last few panels one at a time)."""
     batch = x.shape[0]
     streams = _streams(batch)
     run = (hi - lo) // streams
     for j in range(run):
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
-            _group_dots(w, lo + j, run, 2 * run, streams, x, b0, rows, sums, c0, c1)
+            _group_dots(w, lo + j, run, 2 * run, streams, x, b0, rows, sums)
             for s in range(streams):
                 _put_panel(out, lo + j + s * run, s, rows, b0, sums, scale, bias)
     for p in range(lo + streams * run, hi):
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
-            _panel_dots(w, p, x, b0, rows, sums, c0, c1)
+            _panel_dots(w, p, x, b0, rows, sums)
             _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
