@@ -5,7 +5,12 @@ plain read of the same matrices, alternated in one process (issue 6, session 15)
 - ``row-major, eight lanes``: each thread's share as eight streams of rows far apart (the
   GEMV before the panels);
 - ``row-major, in order``: one row after another;
-- ``panels``: ``kernels.cpu_gemv`` (16 rows column by column, one stream a thread).
+- ``panels``: ``kernels.cpu_gemv`` (16 rows column by column, four streams a thread);
+- ``one buffer, vector streams``: a read of one buffer of the same bytes, four streams of
+  16-lane loads a thread (``bench_n1_bandwidth.read_vectors``, the N=1 target's limit):
+  against ``read``, what reading the stack matrix by matrix costs;
+- ``panels, one matrix``: the panel GEMV over one matrix of the same bytes (the stack's
+  first column count): against the buffer's read, what the GEMV's arithmetic costs.
 
     python scripts/bench_gemv_layouts.py [--shape llama|smollm2] [--rounds 12]
 """
@@ -14,14 +19,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
 import torch
 from numba import prange
 
-from rvllm.kernels.cpu_gemv import _EMPTY, _matvec, gemv, panels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_n1_bandwidth import read_vectors  # noqa: E402
+
+from rvllm.kernels.cpu_gemv import _EMPTY, _matvec, gemv, panels  # noqa: E402
 
 SHAPES = {  # (rows, cols) of each layer's qkv, o, gate/up, down, then the LM head
     "llama": [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(32000, 768)],
@@ -104,8 +115,15 @@ def main() -> None:
         for x, w, out in zip(xs, packed, outs):
             _matvec(x.numpy(), w.weight, w.scale, _EMPTY, out, parts)
 
+    buffer = rng.random((nbytes // 4096, 1024), dtype=np.float32)
+    cols = weights[0].shape[1]
+    big = panels(torch.from_numpy(rng.random((nbytes // 4 // cols, cols), dtype=np.float32)))
+    big_x, big_out = xs[0].numpy(), np.empty((1, big.rows), np.float32)
     variants = {"read": plain(read), "row-major, eight lanes": plain(row_major_eight_lanes),
-                "row-major, in order": plain(row_major_in_order), "panels": with_panels}
+                "row-major, in order": plain(row_major_in_order), "panels": with_panels,
+                "one buffer, vector streams": lambda: read_vectors(buffer, parts),
+                "panels, one matrix": lambda: _matvec(big_x, big.weight, big.scale, _EMPTY,
+                                                      big_out, parts)}
     np.testing.assert_allclose(gemv(xs[0], packed[0]).numpy(), xs[0].numpy() @ weights[0].T,
                                rtol=1e-4)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -119,7 +137,7 @@ def main() -> None:
     print(f"{ns.shape}: {len(weights)} weights, {nbytes / 1e6:.0f} MB, {parts} threads")
     for name, ts in times.items():
         median = statistics.median(ts)
-        print(f"{name:24s} median {median * 1e3:7.2f} ms  {nbytes / median / 1e9:5.1f} GB/s")
+        print(f"{name:28s} median {median * 1e3:7.2f} ms  {nbytes / median / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":
