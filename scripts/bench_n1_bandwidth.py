@@ -10,14 +10,16 @@ alternates two measurements so a drift in the machine's speed reaches both alike
 - ``--steps`` decode tokens of one sequence through the engine (``LLMEngine.step``, the
   sampling and Python included), one engine step a token; and with
   ``--num-scheduler-steps K`` as many again, K tokens an engine step (multi-step
-  decoding), in turns with the first.
+  decoding), in turns with the first; with ``--idle``, after the engine's idle work (what
+  a server's engine does when it has nothing to step: the memory of the cache blocks it
+  hands out next is faulted in, not written for the first time inside the steps).
 A token's weight bytes over its median time (per round: the round's time over its tokens),
 as a share of the fastest read's median rate, is the "share of the bandwidth limit" of
 issue 6. The step also reads the sequence's KV cache, which grows with it: the share with
 those bytes counted too is printed beside it.
 
     python scripts/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
-        [--num-scheduler-steps 8]
+        [--num-scheduler-steps 8] [--idle]
 """
 
 from __future__ import annotations
@@ -153,6 +155,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode tokens a round")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="also time rounds of this many tokens an engine step")
+    parser.add_argument("--idle", action="store_true",
+                        help="first run the engine's idle work, as a server's engine does in "
+                        "its first seconds (the fresh cache blocks' memory faulted in)")
     ns = parser.parse_args()
 
     ahead = ns.num_scheduler_steps
@@ -172,6 +177,11 @@ def main() -> None:
     params = SamplingParams(temperature=0, ignore_eos=True,
                             max_tokens=ns.rounds * len(kinds) * ns.steps + 3 * ahead)
     engine.add_request("n1", {"prompt_token_ids": list(range(10, 42))}, params)
+    if ns.idle:
+        t = time.perf_counter()
+        while engine.has_idle_work:
+            engine.idle_work()
+        print(f"idle work: {time.perf_counter() - t:.2f} s")
     seq = engine.requests["n1"].seqs[0]
     for _ in range(3):  # the prefill and the first decode steps
         engine.step()

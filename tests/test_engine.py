@@ -315,7 +315,7 @@ def test_a_short_first_request_does_not_wait_for_the_deferred_packing(llama_dir:
     from rvllm.layers.cpu_linear import PENDING_GEMM_MAX_ROWS
 
     llm = LLM(str(llama_dir), defer_weight_packing=True)
-    if not llm.engine.has_idle_work:
+    if "pending_reorders" not in llm.engine.model.__dict__:
         pytest.skip("no oneDNN packing on this build")
     left = len(llm.engine.model.pending_reorders)
     prompt = make_prompts(lens=(PENDING_GEMM_MAX_ROWS,))[0]
@@ -342,14 +342,14 @@ def test_a_tied_lm_head_makes_its_panels_in_the_embeddings_memory(
     transformers' before the packing and after it."""
     llm = LLM(str(model_dirs["qwen2"]), defer_weight_packing=True)
     model = llm.engine.model
-    if not llm.engine.has_idle_work:
+    if "pending_reorders" not in llm.engine.model.__dict__:
         pytest.skip("no oneDNN packing on this build")
     weight = model.model.embed_tokens.weight
     assert weight is model.lm_head.weight and weight.numel() == 0
     assert weight.row_panels is model.lm_head.panel_weight
     assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
     llm.engine.idle_work(seconds=60.0)
-    assert not llm.engine.has_idle_work
+    assert "pending_reorders" not in model.__dict__
     assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
 
 
@@ -359,11 +359,42 @@ def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
     before, during and after."""
     llm = LLM(str(llama_dir), defer_weight_packing=True)
     engine = llm.engine
-    if not engine.has_idle_work:
+    if "pending_reorders" not in engine.model.__dict__:
         pytest.skip("no oneDNN packing on this build")
     left = len(engine.model.pending_reorders)
     assert greedy(llm, make_prompts()) == reference(llama_dir)
     assert 0 < len(engine.model.pending_reorders) < left  # the prefill steps packed some
     engine.idle_work(seconds=60.0)
-    assert not engine.has_idle_work
+    assert "pending_reorders" not in engine.model.__dict__
     assert greedy(llm, make_prompts()) == reference(llama_dir)
+
+
+def test_idle_work_faults_in_the_cache_blocks_to_be_used_next(llama_dir: Path) -> None:
+    """When idle, the engine faults in the CPU memory of the next fresh cache blocks (up
+    to ``KV_POPULATE_AHEAD_BYTES``), so that a decode step does not pay for the pages its
+    first writes touch. The blocks' contents are unchanged, in use or not, and the
+    tokens stay transformers'."""
+    from rvllm.engine import llm_engine
+
+    llm = LLM(str(llama_dir))
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompts = make_prompts()
+    assert greedy(llm, prompts) == reference(llama_dir)
+    used = bm.fresh_from
+    assert used > 0 and engine._kv_populated_to == 0
+    caches = [t.clone() for a in engine.model.attention_layers() for t in a.kv_cache]
+    ahead = llm_engine.KV_POPULATE_AHEAD_BYTES // engine._kv_block_bytes
+    slices = 0
+    while engine.has_idle_work:
+        engine.idle_work()
+        slices += 1
+        assert slices < 10_000
+    if engine._kv_block_bytes == 0:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    assert engine._kv_populated_to == min(bm.num_blocks, used + ahead)
+    after = [t for a in engine.model.attention_layers() for t in a.kv_cache]
+    assert all(torch.equal(a, b) for a, b in zip(caches, after))  # what is there stays
+    assert greedy(llm, prompts) == reference(llama_dir)
+    assert bm.fresh_from > used  # fresh blocks were taken: the window moves on with them
+    assert engine.has_idle_work == (min(bm.num_blocks, bm.fresh_from + ahead)
+                                    > engine._kv_populated_to)

@@ -33,6 +33,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks [fresh_from, num_blocks) have never been handed out: the free queue
+        # starts in id order, and a freed block goes back before them or after them, so
+        # they leave it in id order (their cache memory is first written then).
+        self.fresh_from = 0
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
@@ -96,6 +100,7 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
+        self.fresh_from = max(self.fresh_from, block_id + 1)
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:

@@ -101,5 +101,7 @@ def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     keys or values: 60 for SmolLM2) fills a whole 2 MiB page: 0.2-2.9 ms apiece on a
     virtual machine whose host takes back free memory, 105-150 ms of the first prefill in
     ``rvllm serve``'s engine process. With 4 KiB pages the first requests touch only the
-    pages their blocks are in."""
+    pages their blocks are in. Those first writes still cost a decode step 40-80 us a
+    fresh page there; the engine's idle work faults in the blocks it will hand out next
+    beforehand (``LLMEngine._populate_kv_cache``)."""
     return torch.empty(shape, dtype=dtype)

@@ -19,6 +19,7 @@ from rvllm.forward_context import (
     decode_slots_from_tables,
     set_forward_context,
 )
+from rvllm.host_memory import populate
 from rvllm.layers.backend import use_numba, use_triton
 from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, plain_greedy
 
@@ -85,6 +86,25 @@ class ModelRunner:
                      getattr(attn, "num_kv_heads", num_kv_heads),
                      getattr(attn, "head_dim", head_dim))
             attn.kv_cache = (self._cache_tensor(local, dtype), self._cache_tensor(local, dtype))
+
+    def kv_cache_block_bytes(self) -> int:
+        """The bytes of one block id across every layer's cache tensors."""
+        return sum(t[0].nbytes for attn in self.model.attention_layers()
+                   for t in attn.kv_cache or ())
+
+    def populate_kv_cache(self, first: int, count: int) -> bool:
+        """Fault in the CPU memory of cache blocks [first, first + count) of every layer,
+        their contents unchanged (``host_memory.populate``): a block's first write
+        otherwise pays for its pages inside a decode step. Whether it could (a CPU cache,
+        on Linux 5.14 or later)."""
+        if self.device.type != "cpu":
+            return False
+        done = True
+        for attn in self.model.attention_layers():
+            for t in attn.kv_cache or ():
+                row = t[0].nbytes
+                done &= populate(t.data_ptr() + first * row, count * row)
+        return done
 
     def _cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised cache memory (on the CPU: ``empty_cpu_cache``)."""
