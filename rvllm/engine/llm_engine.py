@@ -396,9 +396,9 @@ class LLMEngine:
 
     def _populate_kv_cache(self, seconds: float) -> None:
         """Fault in the memory of the next fresh cache blocks for about ``seconds``. On a
-        virtual machine whose host takes back free memory, a block's first write inside
-        an N=1 decode step cost the step 3-12 ms every fifth token (SmolLM2: 60 fresh
-        pages at once, a layer's keys and values), 5-6% of its time."""
+        virtual machine whose host takes back free memory, a block's first writes inside
+        an N=1 decode step cost it 2-11 ms every fifth or sixth token (SmolLM2: 60 fresh
+        pages at once, every layer's keys and values), 2-6% of the decode's time."""
         deadline = time.perf_counter() + seconds
         chunk = max(1, KV_POPULATE_CHUNK_BYTES // self._kv_block_bytes)
         while (count := min(chunk, self._kv_blocks_to_populate())) > 0:
