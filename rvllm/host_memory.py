@@ -51,20 +51,21 @@ def populate(address: int, nbytes: int) -> bool:
     On a virtual machine whose host takes back free memory, a fresh page's first write
     costs 40-80 us here: done while idle, not inside a decode step. Returns whether the
     kernel did it."""
-    if not sys.platform.startswith("linux") or nbytes <= 0:
+    if nbytes <= 0:
         return False
     start = address // PAGE * PAGE
-    end = -(-(address + nbytes) // PAGE) * PAGE
-    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                           _MADV_POPULATE_WRITE) == 0
+    return _madvise(start, -(-(address + nbytes) // PAGE) * PAGE, _MADV_POPULATE_WRITE)
 
 
 def _advise(address: int, nbytes: int, advice: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+    """``advice`` for the whole huge pages within [address, address + nbytes)."""
     start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
+    return _madvise(start, (address + nbytes) // HUGE_PAGE * HUGE_PAGE, advice)
+
+
+def _madvise(start: int, end: int, advice: int) -> bool:
+    """madvise over [start, end) (page-aligned); False off Linux or for an empty range."""
+    if not sys.platform.startswith("linux") or end <= start:
         return False
     return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
 

@@ -10,6 +10,7 @@ import torch
 from conftest import hf_greedy
 
 from rvllm import LLM, SamplingParams
+from rvllm.layers.cpu_linear import has_pending_reorders
 
 NEW_TOKENS = 16
 PROMPT_LENS = (1, 3, 7, 16, 17, 31, 48, 70)
@@ -315,7 +316,7 @@ def test_a_short_first_request_does_not_wait_for_the_deferred_packing(llama_dir:
     from rvllm.layers.cpu_linear import PENDING_GEMM_MAX_ROWS
 
     llm = LLM(str(llama_dir), defer_weight_packing=True)
-    if "pending_reorders" not in llm.engine.model.__dict__:
+    if not has_pending_reorders(llm.engine.model):
         pytest.skip("no oneDNN packing on this build")
     left = len(llm.engine.model.pending_reorders)
     prompt = make_prompts(lens=(PENDING_GEMM_MAX_ROWS,))[0]
@@ -342,14 +343,14 @@ def test_a_tied_lm_head_makes_its_panels_in_the_embeddings_memory(
     transformers' before the packing and after it."""
     llm = LLM(str(model_dirs["qwen2"]), defer_weight_packing=True)
     model = llm.engine.model
-    if "pending_reorders" not in llm.engine.model.__dict__:
+    if not has_pending_reorders(llm.engine.model):
         pytest.skip("no oneDNN packing on this build")
     weight = model.model.embed_tokens.weight
     assert weight is model.lm_head.weight and weight.numel() == 0
     assert weight.row_panels is model.lm_head.panel_weight
     assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
     llm.engine.idle_work(seconds=60.0)
-    assert "pending_reorders" not in model.__dict__
+    assert not has_pending_reorders(model)
     assert greedy(llm, make_prompts()) == reference(model_dirs["qwen2"])
 
 
@@ -359,13 +360,13 @@ def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
     before, during and after."""
     llm = LLM(str(llama_dir), defer_weight_packing=True)
     engine = llm.engine
-    if "pending_reorders" not in engine.model.__dict__:
+    if not has_pending_reorders(engine.model):
         pytest.skip("no oneDNN packing on this build")
     left = len(engine.model.pending_reorders)
     assert greedy(llm, make_prompts()) == reference(llama_dir)
     assert 0 < len(engine.model.pending_reorders) < left  # the prefill steps packed some
     engine.idle_work(seconds=60.0)
-    assert "pending_reorders" not in engine.model.__dict__
+    assert not has_pending_reorders(engine.model)
     assert greedy(llm, make_prompts()) == reference(llama_dir)
 
 

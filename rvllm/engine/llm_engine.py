@@ -362,7 +362,7 @@ class LLMEngine:
         torch modules ``rvllm.deferred_imports`` left out of this process's start, or the
         memory of the cache blocks to be used next: ``_populate_kv_cache``)."""
         return (has_pending_reorders(self.model) or deferred_imports.has_deferred()
-                or self._kv_blocks_to_populate() > 0)
+                or self._kv_blocks_to_populate()[1] > 0)
 
     def idle_work_due_in(self) -> float:
         """Seconds until a loop with nothing to step should call ``idle_work``: not before
@@ -383,16 +383,16 @@ class LLMEngine:
         else:
             self._populate_kv_cache(seconds)
 
-    def _kv_blocks_to_populate(self) -> int:
-        """How many of the next fresh cache blocks (``BlockManager.fresh_from`` on: those
-        the free queue hands out first) are not yet faulted in, up to
-        ``KV_POPULATE_AHEAD_BYTES`` of them (a CPU cache only)."""
+    def _kv_blocks_to_populate(self) -> tuple[int, int]:
+        """The first and the count of the next fresh cache blocks (``BlockManager.fresh_from``
+        on: those the free queue hands out first) not yet faulted in, up to
+        ``KV_POPULATE_AHEAD_BYTES`` of them (a CPU cache only; a count of 0: none)."""
         if self._kv_block_bytes <= 0:
-            return 0
+            return 0, 0
         bm = self.block_manager
         ahead = max(1, KV_POPULATE_AHEAD_BYTES // self._kv_block_bytes)
-        end = min(bm.num_blocks, bm.fresh_from + ahead)
-        return max(0, end - max(self._kv_populated_to, bm.fresh_from))
+        first = max(self._kv_populated_to, bm.fresh_from)
+        return first, max(0, min(bm.num_blocks, bm.fresh_from + ahead) - first)
 
     def _populate_kv_cache(self, seconds: float) -> None:
         """Fault in the memory of the next fresh cache blocks for about ``seconds``. On a
@@ -401,8 +401,11 @@ class LLMEngine:
         pages at once, every layer's keys and values), 2-6% of the decode's time."""
         deadline = time.perf_counter() + seconds
         chunk = max(1, KV_POPULATE_CHUNK_BYTES // self._kv_block_bytes)
-        while (count := min(chunk, self._kv_blocks_to_populate())) > 0:
-            first = max(self._kv_populated_to, self.block_manager.fresh_from)
+        while True:
+            first, count = self._kv_blocks_to_populate()
+            if count == 0:
+                return
+            count = min(chunk, count)
             if not self.runner.populate_kv_cache(first, count):
                 self._kv_block_bytes = 0  # not on this system: nothing more to try
                 return
