@@ -289,3 +289,21 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
         np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
         assert tokens == want_tokens
         np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
+    """A GEMV in the one-region step is one first share per thread, then short runs of
+    its last panels (``cpu_decoder_step._item_panels``): together every panel once, in
+    order, the first shares near-equal, whatever the count of panels."""
+    from rvllm.kernels.cpu_decoder_step import TAIL, _item_panels, _items
+
+    for n in (0, 1, 5, 7, 8, 36, 60, 96, 3072):
+        ranges = [_item_panels(n, item, parts) for item in range(_items(n, parts))]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert all(lo <= hi for lo, hi in ranges)
+        first = [hi - lo for lo, hi in ranges[:parts]]
+        assert max(first) - min(first) <= 1
+        if parts > 1:
+            assert sum(first) == n - n // TAIL

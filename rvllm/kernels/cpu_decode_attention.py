@@ -116,6 +116,19 @@ def _block_values(scores, values, ahead, fetch, t0, t1, base, group, row, acc):
                     acc[h, d] += p * value[d]
 
 
+@numba.njit(cache=True, inline="always")
+def split_range(end, window, block_size, num_splits, split):
+    """The blocks [lo, hi) of a context of ``end`` tokens (the last ``window`` of them
+    where 0 < window < end) that split ``split`` of ``num_splits`` covers, and its tokens
+    [t_lo, t_hi) (none: t_hi <= t_lo)."""
+    start = end - window if 0 < window < end else 0
+    first_block, last_block = start // block_size, (end - 1) // block_size
+    per_split = (last_block - first_block) // num_splits + 1
+    lo = first_block + split * per_split
+    hi = min(lo + per_split, last_block + 1)
+    return lo, hi, max(lo * block_size, start), min(hi * block_size, end)
+
+
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, window, soft_cap,
                  num_splits, part_max, part_sum, part_out, item, out):
@@ -129,13 +142,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     seq, split = item // num_splits, item % num_splits
-    end = seq_lens[seq]
-    start = end - window if 0 < window < end else 0
-    first_block, last_block = start // block_size, (end - 1) // block_size
-    per_split = (last_block - first_block) // num_splits + 1
-    lo = first_block + split * per_split
-    hi = min(lo + per_split, last_block + 1)
-    t_lo, t_hi = max(lo * block_size, start), min(hi * block_size, end)
+    lo, hi, t_lo, t_hi = split_range(seq_lens[seq], window, block_size, num_splits, split)
     count = max(t_hi - t_lo, 0)
 
     queries = np.empty((num_heads, head_dim), np.float32)

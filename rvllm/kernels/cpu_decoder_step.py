@@ -59,6 +59,7 @@ from rvllm.kernels.cpu_decode_attention import (
     _merge,
     _paged_decode,
     num_splits_for,
+    split_range,
 )
 from rvllm.kernels.cpu_gemv import (
     PANEL,
@@ -116,6 +117,9 @@ MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
 PHASES = 5
 LINE = 64  # bytes of a cache line
 FETCH_BYTES = 64 * 1024
+# A GEMV's last 1 / TAIL of panels goes in items of about 1 / (TAIL * SMALL * threads) of
+# them (``_item_panels``).
+TAIL, SMALL = 8, 4
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
@@ -127,14 +131,44 @@ def _add_rows(hidden, delta):
             hidden[b, i] += delta[b, i]
 
 
+@numba.njit(cache=True, inline="always")
+def _tail_panels(n, parts):
+    """How many of a GEMV's n panels are left out of the threads' first shares, and the
+    panels of each item they are cut into."""
+    tail = n // TAIL if parts > 1 else 0
+    return tail, max(1, tail // (SMALL * parts))
+
+
+@numba.njit(cache=True, inline="always")
+def _items(n, parts):
+    """How many work items a GEMV of n panels is cut into on ``parts`` threads
+    (``_item_panels``)."""
+    tail, size = _tail_panels(n, parts)
+    return parts + -(-tail // size)
+
+
+@numba.njit(cache=True, inline="always")
+def _item_panels(n, item, parts):
+    """Panels [lo, hi) of work item ``item`` of a GEMV of n panels: the first ``parts``
+    items are near-equal shares of all but its last n // ``TAIL`` panels, one each for
+    the threads to claim before the phase begins; the rest are short runs of those last
+    panels, for whichever thread is free first. Two equal shares ended up to 6% apart
+    (one vCPU slower than the other through a whole step), and the early thread waited."""
+    tail, size = _tail_panels(n, parts)
+    if item < parts:
+        return _share(n - tail, item, parts)
+    lo = n - tail + (item - parts) * size
+    return lo, min(lo + size, n)
+
+
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
-    """The shares of out = x W^T (``cpu_gemv._panels_into``) this thread claims of
-    ``phase``'s ``items``, from ``item`` (claimed before); whether it ended the last one
-    (it then owes the tail)."""
-    last = False
+def _linear_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
+    """The items of out = x W^T (``cpu_gemv._panels_into``) this thread claims of
+    ``phase``'s (``_item_panels``), from ``item`` (claimed before); whether it ended the
+    last one (it then owes the tail)."""
+    items, last = _items(w.shape[0], parts), False
     while item < items:
-        lo, hi = _share(w.shape[0], item, items)
+        lo, hi = _item_panels(w.shape[0], item, parts)
         _panels_into(x, w, scale, bias, out, lo, hi, sums)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
@@ -142,11 +176,13 @@ def _linear_items(counters, phase, item, x, w, scale, bias, out, items, sums):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
-    """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``)."""
-    last = False
+def _gate_up_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
+    """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``: the
+    items are of the gate's panels, each with the same panels of up)."""
+    n = out.shape[1] // PANEL
+    items, last = _items(n, parts), False
     while item < items:
-        lo, hi = _share(out.shape[1] // PANEL, item, items)
+        lo, hi = _item_panels(n, item, parts)
         _gate_up_share(x, w, scale, bias, out, lo, hi, sums)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
@@ -154,11 +190,12 @@ def _gate_up_items(counters, phase, item, x, w, scale, bias, out, items, sums):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals, items, sums):
-    """``_linear_items`` for the LM head (``cpu_step_parts._head_share``)."""
-    last = False
+def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals, parts, sums):
+    """``_linear_items`` for the LM head (``cpu_step_parts._head_share``; tops, firsts
+    and totals have a row for each item)."""
+    items, last = _items(w.shape[0], parts), False
     while item < items:
-        lo, hi = _share(w.shape[0], item, items)
+        lo, hi = _item_panels(w.shape[0], item, parts)
         _head_share(x, w, scale, logits, tops, firsts, totals, item, lo, hi, sums)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
@@ -166,14 +203,13 @@ def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _attention_items(counters, phase, q, keys, values, tables, lens, window, num_splits,
-                     part_max, part_sum, part_out, out):
+def _attention_items(counters, phase, item, q, keys, values, tables, lens, window,
+                     num_splits, part_max, part_sum, part_out, out):
     """The work items (a sequence, or a split of its context) of one layer's decode
-    attention (``cpu_decode_attention._attend_part``) this thread claims; whether it
-    ended the last one."""
+    attention (``cpu_decode_attention._attend_part``) this thread claims, from ``item``
+    (claimed before); whether it ended the last one."""
     items = q.shape[0] * num_splits
     last = False
-    item = claim(counters, phase)
     while item < items:
         _attend_part(q, keys, values, tables, lens, np.float32(1.0), window,
                      np.float32(0.0), num_splits, part_max, part_sum, part_out, item, out)
@@ -195,12 +231,12 @@ def _panel_address(w, p):
 
 
 @numba.njit(cache=True, inline="always")
-def _linear_starts(w, item, items, batch):
+def _linear_starts(w, item, parts, batch):
     """Where the runs of ``item``'s share of a GEMV over the panels w begin, in the order
-    ``cpu_gemv._panels_into`` reads them (addresses; 0: no run)."""
-    if item >= items or w.shape[0] == 0:
+    ``cpu_gemv._panels_into`` reads them (addresses; 0: no run, or not a first share)."""
+    if item >= parts or w.shape[0] == 0:
         return 0, 0, 0, 0
-    lo, hi = _share(w.shape[0], item, items)
+    lo, hi = _item_panels(w.shape[0], item, parts)
     streams = _streams(batch)
     run = (hi - lo) // streams
     if run == 0:
@@ -212,13 +248,13 @@ def _linear_starts(w, item, items, batch):
 
 
 @numba.njit(cache=True, inline="always")
-def _gate_up_starts(w, item, items, batch):
+def _gate_up_starts(w, item, parts, batch):
     """``_linear_starts`` for a share of the fused gate/up
     (``cpu_step_parts._gate_up_share``: gate and up panels side by side)."""
-    if item >= items:
+    if item >= parts:
         return 0, 0, 0, 0
     gate_panels = w.shape[0] // 2
-    lo, hi = _share(gate_panels, item, items)
+    lo, hi = _item_panels(gate_panels, item, parts)
     run = (hi - lo) // (_streams(batch) // 2)
     if run == 0 or _streams(batch) == 2:
         return _panel_address(w, lo), _panel_address(w, lo + gate_panels), 0, 0
@@ -241,6 +277,28 @@ def _wait_fetching(counters, phase, starts, span, offset):
         else:
             spin()
     return offset
+
+
+@numba.njit(cache=True, inline="always")
+def _wait_fetching_split(counters, phase, keys, values, table, lens, window, num_splits,
+                         item, starts, span):
+    """``_wait_fetching`` for the phase before attention, asking first for the key and
+    value blocks of the split ``item`` of one sequence's context (claimed before) that
+    the thread is to attend over: they were written a step ago, and the step's weights
+    have streamed through the caches since."""
+    block_size = keys.shape[1]
+    if item < num_splits:
+        lo, hi, t_lo, t_hi = split_range(lens[0], window, block_size, num_splits, item)
+        block_bytes = block_size * keys.shape[2] * keys.shape[3] * keys.itemsize
+        total = 2 * max(hi - lo, 0) * block_bytes  # the keys, then the values
+        offset = 0
+        while offset < total and not done(counters, phase):
+            b = offset // block_bytes
+            cache = keys if b < hi - lo else values
+            _prefetch(cache.ctypes.data + table[lo + b % (hi - lo)] * block_bytes
+                      + offset % block_bytes)
+            offset += LINE
+    return _wait_fetching(counters, phase, starts, span, 0)
 
 
 @numba.njit(cache=True, inline="always")
@@ -268,13 +326,18 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     qkv_rows = q_size + 2 * kv_size
     normed, delta, qkv, q, attn, act = _buffers(rows, size, qkv_rows, num_heads, head_dim,
                                                 inter)
-    lens, num_splits = positions + 1, num_splits_for(rows, parts)
+    # One split of the context a thread: each claims its own before the QKV projection
+    # ends and asks for its blocks meanwhile (``_wait_fetching_split``); four splits on
+    # two threads cost 2-3 us more a layer.
+    lens, num_splits = positions + 1, parts
     part_max = np.empty((rows, num_splits, num_heads), np.float32)
     part_sum = np.empty((rows, num_splits, num_heads), np.float32)
     part_out = np.empty((rows if num_splits > 1 else 0, num_splits, num_heads, head_dim),
                         np.float32)
-    items = parts  # of each GEMV: finer shares (more, shorter streams) were slower
-    shares = items if greedy_ids.shape[0] > 0 else 0
+    # Each GEMV: a first share per thread, then short items (``_item_panels``); equal
+    # fine shares (more, shorter streams) were slower.
+    items = parts
+    shares = _items(head_w.shape[0], parts) if greedy_ids.shape[0] > 0 else 0
     tops = np.empty((shares, rows), np.float32)
     totals = np.empty((shares, rows), np.float32)
     firsts = np.empty((shares, rows), np.int64)
@@ -294,14 +357,16 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
             last = _linear_items(counters, phase, item, normed,
                                  _weight(qkv_w, layer, like, qkv_rows, size),
                                  qkv_s[layer], qkv_b[layer], qkv, items, sums)
+            split = claim(counters, phase + 1)
             item = claim(counters, phase + 2)
             starts, span = _linear_starts(w_o, item, items, rows), _span(w_o, items)
             if last:
                 _rope_and_cache(qkv, q, scale, keys, values, positions, slots, cos_table,
                                 sin_table)
                 publish(counters, phase)
-            fetched = _wait_fetching(counters, phase, starts, span, 0)
-            if _attention_items(counters, phase + 1, q, keys, values, tables, lens,
+            fetched = _wait_fetching_split(counters, phase, keys, values, tables[0], lens,
+                                           windows[layer], num_splits, split, starts, span)
+            if _attention_items(counters, phase + 1, split, q, keys, values, tables, lens,
                                 windows[layer], num_splits, part_max, part_sum, part_out,
                                 attn):
                 if num_splits > 1:
