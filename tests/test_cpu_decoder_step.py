@@ -307,3 +307,23 @@ def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
         assert max(first) - min(first) <= 1
         if parts > 1:
             assert sum(first) == n - n // TAIL
+
+
+def test_the_step_trace_script_still_instruments_the_one_region_step() -> None:
+    """``scripts/trace_n1_step.py`` reads the cycle counter after lines of
+    ``_one_region`` that it names: when those lines change, the script must fail to
+    instrument (and say so) or instrument every point, never trace something else."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("trace_n1_step",
+                                                  root / "scripts" / "trace_n1_step.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    traced = script.instrument((root / script.STEP_SOURCE).read_text())
+    compile(traced, str(script.STEP_SOURCE), "exec")
+    region = traced[traced.index("def _one_region("):traced.index("def _by_op(")]
+    reads = [f"trace[th, layer, {point}] = _cycles()" for point in range(len(script.POINTS))]
+    assert [region.index(read) for read in reads] == sorted(region.index(r) for r in reads)
+    assert "trace[th, layers, 0]" in region and "trace[th, layers, 1]" in region
+    assert len(script.SEGMENTS) == len(script.POINTS) - 1
