@@ -11,9 +11,10 @@ the LM head, the time outside the region, and the GEMVs' and the step's rates as
 of the read. The copy compiles into its own numba cache (the first run takes minutes);
 the package's own kernels and cache are left alone.
 
-A phase's time is measured directly, so it moves far less with the machine's memory
-speed than a whole step's share does: on a VM whose read ran at 28-49 GB/s within
-minutes, the trace told apart what a whole-step comparison could not.
+A step's share of the read mixes what the memory delivers with what does not depend on
+it; here they come apart: the GEMVs against the read of the same minutes, and the fixed
+costs (attention, the tails and waits, the Python around the call) in microseconds.
+Single steps only (the multi-step decode calls the step without the trace).
 
     python scripts/trace_n1_step.py [--model MODEL] [--steps 120] [--prompt-len 32]
 """
@@ -33,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STEP_SOURCE = Path("rvllm/kernels/cpu_decoder_step.py")
 
-# The points each thread reads the cycle counter at, every layer: after the statement
-# that ends with ``after`` (its line's text, stripped; the first such line), at ``indent``.
-# Segment k of a layer is the time from point k to point k + 1.
+# The points each thread reads the cycle counter at, every layer: after the first line of
+# ``_one_region`` past the previous point whose text (stripped) is ``after``, at
+# ``indent``. Segment k of a layer is the time from point k to point k + 1.
 POINTS = [
     ("keys, values = key_cache[layer], value_cache[layer]", 12),
     ("qkv_s[layer], qkv_b[layer], qkv, items, sums)", 12),
@@ -194,7 +195,7 @@ def _lm_head_bytes(llm) -> int:  # noqa: ANN001 - an LLM
 
 def _cycles_per_us() -> float:
     """The cycle counter's rate: the TSC's, which Linux reports as the CPU's MHz where
-    the TSC is constant; timed against the clock elsewhere."""
+    the TSC is constant (as on the machines this was written on)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("cpu MHz"):
@@ -251,8 +252,9 @@ def main() -> None:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(work / "numba-cache"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(folder),
                                                         os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, __file__, "--copy", str(folder), "--steps", str(ns.steps),
-               "--prompt-len", str(ns.prompt_len)] + (["--model", ns.model] * bool(ns.model))
+    command = [sys.executable, str(Path(__file__).resolve()), "--copy", str(folder),
+               "--steps", str(ns.steps), "--prompt-len", str(ns.prompt_len)]
+    command += ["--model", ns.model] if ns.model else []
     sys.exit(subprocess.call(command, env=env, cwd=folder))
 
 
