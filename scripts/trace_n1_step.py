@@ -35,25 +35,26 @@ ROOT = Path(__file__).resolve().parent.parent
 STEP_SOURCE = Path("rvllm/kernels/cpu_decoder_step.py")
 
 # The points each thread reads the cycle counter at, every layer: after the first line of
-# ``_one_region`` past the previous point whose text (stripped) is ``after``, at
-# ``indent``. Segment k of a layer is the time from point k to point k + 1.
+# ``_one_region`` past the previous point whose text (stripped) is this, at the layer
+# loop's indent. Segment k of a layer is the time from point k to point k + 1.
 POINTS = [
-    ("keys, values = key_cache[layer], value_cache[layer]", 12),
-    ("qkv_s[layer], qkv_b[layer], qkv, items, sums)", 12),
-    ("publish(counters, phase)", 12),
-    ("windows[layer], num_splits, split, starts, span)", 12),
-    ("publish(counters, phase + 1)", 12),
-    ("_wait_fetching(counters, phase + 1, starts, span, fetched)", 12),
-    ("w_o, o_s[layer], o_b[layer], delta, items, sums)", 12),
-    ("publish(counters, phase + 2)", 12),
-    ("_span(w_gu, 2 * items), 0)", 12),
-    ("gu_b[layer], act, items, sums)", 12),
-    ("publish(counters, phase + 3)", 12),
-    ("_span(w_down, items), 0)", 12),
-    ("down_b[layer], delta, items, sums)", 12),
-    ("publish(counters, phase + 4)", 12),
-    ("_span(w_next, items), 0)", 12),
+    "keys, values = key_cache[layer], value_cache[layer]",
+    "qkv_s[layer], qkv_b[layer], qkv, items, sums)",
+    "publish(counters, phase)",
+    "windows[layer], num_splits, split, starts, span)",
+    "publish(counters, phase + 1)",
+    "_wait_fetching(counters, phase + 1, starts, span, fetched)",
+    "w_o, o_s[layer], o_b[layer], delta, items, sums)",
+    "publish(counters, phase + 2)",
+    "_span(w_gu, 2 * items), 0)",
+    "gu_b[layer], act, items, sums)",
+    "publish(counters, phase + 3)",
+    "_span(w_down, items), 0)",
+    "down_b[layer], delta, items, sums)",
+    "publish(counters, phase + 4)",
+    "_span(w_next, items), 0)",
 ]
+LAYER_INDENT = 12
 SEGMENTS = [
     "QKV GEMV", "QKV tail (RoPE, cache write)", "wait for QKV (fetching the split)",
     "attention (and merge)", "wait for attention", "output GEMV",
@@ -106,12 +107,12 @@ def instrument(source: str) -> str:
     region = _replace_once(region, "for _ in prange(parts):", "for th in prange(parts):")
     lines = region.split("\n")
     at = 0
-    for point, (after, indent) in enumerate(POINTS):
+    for point, after in enumerate(POINTS):
         at = next((i for i in range(at, len(lines)) if lines[i].strip() == after), None)
         if at is None:
             raise SystemExit(f"{STEP_SOURCE} changed: no line {after!r} in _one_region "
                              f"after the previous point; update scripts/trace_n1_step.py")
-        lines.insert(at + 1, " " * indent + f"trace[th, layer, {point}] = _cycles()")
+        lines.insert(at + 1, " " * LAYER_INDENT + f"trace[th, layer, {point}] = _cycles()")
         at += 2
     region = "\n".join(lines)
     region = _replace_once(region, HEAD_START,
