@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rvllm.bench import http_client
-from rvllm.bench.engine import parse_batch_sizes, random_prompts
+from rvllm.bench.engine import parse_batch_sizes, print_result, random_prompts
 from rvllm.bench.micro import np_penalties, time_call
 from rvllm.bench.report import format_table
 from rvllm.bench.serve import (
@@ -130,6 +130,16 @@ def test_format_table_aligns_and_marks_missing_values() -> None:
     lines = text.splitlines()
     assert lines[0].split() == ["A", "B"]
     assert lines[2].split() == ["1", "2.2"] and lines[3].split() == ["10", "-"]
+
+
+def test_result_header_names_quantized_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    result = {"engine": "rvllm", "model": "m", "dtype": "float32", "quantization": "int8",
+              "config": {"input_len": 32, "output_len": 128, "num_iters": 1},
+              "rows": [{"n": 1}]}
+    print_result(result)
+    assert capsys.readouterr().out.startswith("rvllm on m (float32, int8 weights), input 32")
+    print_result({**result, "quantization": None})  # float32 weights; a peer's has no key
+    assert capsys.readouterr().out.startswith("rvllm on m (float32), input 32")
 
 
 # ------------------------------------------------------------------ parsing and workloads

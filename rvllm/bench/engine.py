@@ -149,6 +149,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "engine": args.label,
         "model": engine.model_config.path,
         "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+        "quantization": engine_args.quantization,
         "config": {"input_len": args.input_len, "output_len": args.output_len,
                    "num_iters": args.num_iters, "batch_sizes": sizes, "ignore_eos": True,
                    "temperature": 0.0,
@@ -165,7 +166,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_result(result: dict[str, Any]) -> None:
     cfg = result["config"]
-    print(f"{result['engine']} on {result['model']} ({result.get('dtype', '?')}), "
+    weights = f", {result['quantization']} weights" if result.get("quantization") else ""
+    print(f"{result['engine']} on {result['model']} ({result.get('dtype', '?')}{weights}), "
           f"input {cfg['input_len']} / output {cfg['output_len']} tokens, "
           f"median of {cfg['num_iters']}")
     print(format_table(result["rows"], TABLE_COLUMNS))
