@@ -138,7 +138,10 @@ def test_result_header_names_quantized_weights(capsys: pytest.CaptureFixture[str
               "rows": [{"n": 1}]}
     print_result(result)
     assert capsys.readouterr().out.startswith("rvllm on m (float32, int8 weights), input 32")
-    print_result({**result, "quantization": None})  # float32 weights; a peer's has no key
+    print_result({**result, "quantization": None})  # float32 weights
+    assert capsys.readouterr().out.startswith("rvllm on m (float32), input 32")
+    del result["quantization"]  # a peer's result has no such key
+    print_result(result)
     assert capsys.readouterr().out.startswith("rvllm on m (float32), input 32")
 
 
