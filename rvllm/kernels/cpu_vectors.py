@@ -16,15 +16,25 @@ onto the machine's vector registers (one AVX-512 register, two AVX2 ones):
   the head dimension at a time); then per head one transposing reduction tree over its
   16 tokens' vectors (pairs of vectors shuffled together and added, four levels) leaves
   token t's score in lane t: 15 vector adds for 16 scores, not a horizontal sum each;
-- ``run_values``: each query head's accumulator gets four tokens' weighted rows per
+- ``run_values``: each query head's accumulator gets a step's token rows weighted per
   load and store, 16 lanes at a time.
 
-Both walk the run in memory order, four token rows at a time for all KV heads, and ask
-for the same rows of the block to come next (``ahead``) as they go. Both orders matter
-once the cache is far larger than the L3, as under serving: an earlier version that took
-one KV head at a time across the run (the 16 tokens' rows, a third of each) and asked
-for the whole next block up front ran 20% slower there than the plain loops, though 1.7x
-faster with the cache in the L3.
+Both walk the run in memory order, a few token rows at a time for all KV heads (two
+float32 rows, four bfloat16 ones), and ask for the same rows of the block to come next
+(``ahead``) as they go, a share of those lines before each query head's work on the
+rows. Both orders matter once the cache is far larger than the L3, as under serving: an
+earlier version that took one KV head at a time across the run (the 16 tokens' rows, a
+third of each) and asked for the whole next block up front ran 20% slower there than the
+plain loops, though 1.7x faster with the cache in the L3. How the asks are spread
+matters as much, on a Zen 2 (2 cores, 16 MB L3, serving's recorded steps over 30 layers'
+float32 caches): all of a step's lines asked for at once, four rows of them, took 1.21 to
+1.39 ms a layer, as slow as asking for nothing (1.27 ms), since those asks fill the
+core's few miss slots and then hold up the loads the arithmetic waits on; one share
+before each head's work, 0.81 ms; and with steps of two rows, 0.66 to 0.69 ms, where
+only reading the same blocks takes 0.60 ms. Two rows cost 14% more arithmetic than
+four with the cache in the L3, a price paid there alone; a bfloat16 cache, half the
+bytes, is bound by its arithmetic and keeps four (0.47 ms against 0.51 with two and
+0.53 to 0.57 before the asks were spread).
 
 Tokens past the run's length read its last row again, and are dropped (masked stores,
 zero weights): nothing past the run is read. The head dimension must be a multiple of 16
@@ -49,8 +59,10 @@ from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu_math import prefetch_line
 
 LANES = 16
-TOKENS = 4  # token rows taken together: each query row (scores) or accumulator (values)
-# is loaded once for them
+# Token rows taken together, by the cache's element bytes: each query row (scores) or
+# accumulator (values) is loaded once for them. Fewer with float32 rows, so that a step
+# asks for fewer lines ahead (see the module note).
+TOKENS = {4: 2, 2: 4}
 _F32, _I1, _I16, _I32, _I64 = (ir.FloatType(), ir.IntType(1), ir.IntType(16), ir.IntType(32),
                                ir.IntType(64))
 _VEC = ir.VectorType(_F32, LANES)
@@ -151,29 +163,35 @@ class _Run:
     def __init__(self, builder: ir.IRBuilder, n: ir.Value, head_dim: ir.Value,
                  kv_heads: ir.Value, element_bytes: int) -> None:
         self.builder, self.n, self.head_dim, self.kv_heads = builder, n, head_dim, kv_heads
+        self.take = TOKENS[element_bytes]
         self.chunks = builder.sdiv(head_dim, _int(LANES))
         self.row_elements = builder.mul(kv_heads, head_dim)
         self.row_bytes = builder.mul(self.row_elements, _int(element_bytes))
-        self.steps = builder.sdiv(builder.add(n, _int(TOKENS - 1)), _int(TOKENS))
+        self.steps = builder.sdiv(builder.add(n, _int(self.take - 1)), _int(self.take))
         self.last = builder.sub(n, _int(1))
 
     def tokens(self, step: ir.Value) -> list[ir.Value]:
-        first = self.builder.mul(step, _int(TOKENS))
-        return [self.builder.add(first, _int(j)) for j in range(TOKENS)]
+        first = self.builder.mul(step, _int(self.take))
+        return [self.builder.add(first, _int(j)) for j in range(self.take)]
 
     def row_offsets(self, tokens: list[ir.Value]) -> list[ir.Value]:
         """Element offsets of the tokens' rows, a token past the run at the last row."""
         return [self.builder.mul(_min(self.builder, t, self.last), self.row_elements)
                 for t in tokens]
 
-    def prefetch(self, ahead: ir.Value, tokens: list[ir.Value]) -> None:
-        """Ask for the same token rows of the block at ``ahead`` (0: none)."""
+    def prefetch(self, ahead: ir.Value, tokens: list[ir.Value], share: ir.Value,
+                 shares: ir.Value) -> None:
+        """Ask for share ``share`` of ``shares`` (as even as can be) of the lines of the
+        same token rows of the block at ``ahead`` (0: none)."""
         b = self.builder
         with b.if_then(b.icmp_signed("!=", ahead, _int(0))):
             start = b.add(ahead, b.mul(tokens[0], self.row_bytes))
-            lines = b.sdiv(b.add(b.mul(_int(TOKENS), self.row_bytes), _int(63)), _int(64))
-            with cgutils.for_range(b, lines) as line:
-                prefetch_line(b, b.add(start, b.mul(line.index, _int(64))))
+            lines = b.sdiv(b.add(b.mul(_int(self.take), self.row_bytes), _int(63)), _int(64))
+            per = b.sdiv(b.add(lines, b.sub(shares, _int(1))), shares)
+            first = b.mul(share, per)
+            count = b.sub(_min(b, b.add(first, per), lines), first)
+            with cgutils.for_range(b, count) as line:
+                prefetch_line(b, b.add(start, b.mul(b.add(first, line.index), _int(64))))
 
 
 _ARGS = (types.int64,) * 10
@@ -194,15 +212,15 @@ def run_scores(typingctx, q, k, n, head_dim, group, kv_heads, partials, out, out
         q, k, n, head_dim, group, kv_heads, partials, out, out_stride, ahead, _ = args
         run = _Run(builder, n, head_dim, kv_heads, 2 if bfloat16 else 4)
         zero = ir.Constant(_VEC, [0.0] * LANES)
-        sums = [cgutils.alloca_once(builder, _VEC) for _ in range(TOKENS)]  # registers
+        sums = [cgutils.alloca_once(builder, _VEC) for _ in range(run.take)]  # registers
         with cgutils.for_range(builder, run.steps) as step:
             tokens = run.tokens(step.index)
-            run.prefetch(ahead, tokens)
             rows = run.row_offsets(tokens)
             with cgutils.for_range(builder, kv_heads) as kv:
                 kv_col = builder.mul(kv.index, head_dim)
                 with cgutils.for_range(builder, group) as member:
                     h = builder.add(builder.mul(kv.index, group), member.index)
+                    run.prefetch(ahead, tokens, h, builder.mul(kv_heads, group))
                     for s in sums:
                         builder.store(zero, s)
                     with cgutils.for_range(builder, run.chunks) as chunk:
@@ -248,12 +266,12 @@ def run_values(typingctx, p, p_stride, v, n, head_dim, group, kv_heads, acc, ahe
         run = _Run(builder, n, head_dim, kv_heads, 2 if bfloat16 else 4)
         with cgutils.for_range(builder, run.steps) as step:
             tokens = run.tokens(step.index)
-            run.prefetch(ahead, tokens)
             rows = run.row_offsets(tokens)
             with cgutils.for_range(builder, kv_heads) as kv:
                 kv_col = builder.mul(kv.index, head_dim)
                 with cgutils.for_range(builder, group) as member:
                     h = builder.add(builder.mul(kv.index, group), member.index)
+                    run.prefetch(ahead, tokens, h, builder.mul(kv_heads, group))
                     weights = []
                     for t in tokens:
                         index = builder.add(builder.mul(h, p_stride), _min(builder, t, run.last))
