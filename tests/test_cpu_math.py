@@ -80,3 +80,11 @@ def test_functions_outside_the_kernels_keep_numbas_own_stamp():
 
     locator = elsewhere._cache._impl.locator
     assert "Kernels" not in type(locator).__name__
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 31, 64])
+def test_row_max_is_numpys_max(n):
+    from rvllm.kernels.cpu_math import row_max
+
+    row = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    assert row_max(row) == (row.max() if n else -np.inf)

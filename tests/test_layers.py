@@ -173,3 +173,72 @@ def test_numba_kernels_take_as_many_threads_as_torch(kernel_backend: str) -> Non
     finally:
         torch.set_num_threads(before)
         match_torch_threads()
+
+
+def prefill_step(context_len: int, n: int, block_size: int = 4
+                 ) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of one prefill chunk of n tokens after context_len cached ones, its
+    positions' slots in reverse block order; and those slots."""
+    from rvllm.forward_context import PrefillSeq
+
+    total = context_len + n
+    blocks = -(-total // block_size)
+    table = torch.arange(blocks - 1, -1, -1)
+    pos = torch.arange(total)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    md = AttentionMetadata(slots[context_len:].clone(), 0, None, None,
+                           [PrefillSeq(0, n, context_len, slots)])
+    return md, slots
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (7, None), (None, 30.0)])
+@pytest.mark.parametrize("context_len, n", [(0, 1), (0, 5), (0, 40), (20, 13), (3, 2)])
+@pytest.mark.parametrize("head_dim", [8, 32])
+@pytest.mark.parametrize("kernel_backend", ["torch", "numba"], indirect=True)
+def test_prefill_attention_matches_each_query_written_out(
+        window: int | None, cap: float | None, context_len: int, n: int, head_dim: int,
+        kernel_backend: str) -> None:
+    # Under numba, head dimensions that are multiples of 16 without a soft cap take
+    # cpu_prefill_attention; the rest, and the torch backend, SDPA.
+    gen = torch.Generator().manual_seed(3)
+    md, slots = prefill_step(context_len, n)
+    d = head_dim
+    attn = Attention(num_heads=6, head_dim=d, num_kv_heads=2, scale=d**-0.5,
+                     sliding_window=window, logits_soft_cap=cap)
+    num_blocks = -(-(context_len + n) // 4)
+    cache = torch.randn(2, num_blocks, 4, 2, d, generator=gen)
+    attn.kv_cache = (cache[0], cache[1])
+    q = torch.randn(n, 6, d, generator=gen)
+    k, v = torch.randn(n, 2, d, generator=gen), torch.randn(n, 2, d, generator=gen)
+    with set_forward_context(md):
+        got = attn(q, k, v).view(n, 6, d)
+    keys, values = cache[0].view(-1, 2, d), cache[1].view(-1, 2, d)
+    for i in range(n):
+        want = reference_decode(q[i], keys, values, slots, context_len + i + 1, d**-0.5,
+                                window, cap)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("context_len, n, window", [(0, 290, None), (100, 77, None),
+                                                    (0, 50, 19), (37, 40, 24)])
+def test_numba_prefill_attention_over_many_tiles_matches_sdpa(
+        context_len: int, n: int, window: int | None) -> None:
+    # SmolLM2's heads (9 query heads on 3 KV heads, 64 wide): query tiles of 16
+    # positions, the last one partial, against tiles of 16 keys, the window starting
+    # inside one.
+    from rvllm.forward_context import PrefillSeq
+    from rvllm.kernels.cpu_prefill_attention import prefill_attention_cpu
+
+    gen = torch.Generator().manual_seed(4)
+    total = context_len + n
+    q = torch.randn(n, 9, 64, generator=gen)
+    keys, values = torch.randn(total, 3, 64, generator=gen), torch.randn(total, 3, 64,
+                                                                         generator=gen)
+    got = prefill_attention_cpu(q, keys, values, context_len, 0.125, window).view(n, 9, 64)
+    mask = PrefillSeq(0, n, context_len, torch.arange(total)).mask(window)
+    if mask is None:
+        mask = torch.ones(n, total, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
+        scale=0.125, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -63,6 +63,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         cpu_decoder_step,
         cpu_gemv,
         cpu_greedy,
+        cpu_prefill_attention,
         cpu_quantize,
     )
 
@@ -70,6 +71,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         cpu_quantize.warm_up()  # then its int8 quantization
     if float32:
         cpu_decode_attention.warm_up(kv_dtype)
+        cpu_prefill_attention.warm_up()
     cpu_gemv.warm_up(int8, float32)
     cpu_decoder_step.warm_up(kv_dtype, int8, float32)
     cpu_batch_step.warm_up(kv_dtype, int8, float32)

@@ -17,8 +17,8 @@ its tensor: at 32 decoding sequences they took as long as attention, and in a
 2. the QKV GEMM;
 3. ``_attention``: scales and bias, RoPE, the cache write, paged decode attention for
    the decode rows (``cpu_decode_attention``); prefill chunks then attend through their
-   layer's torch attention (SDPA), as the layers do; then the rows' scaling for the
-   output projection;
+   layer's attention (``cpu_prefill_attention``, or SDPA), as the layers do; then the
+   rows' scaling for the output projection;
 4. the output projection's GEMM, then ``_add_norm`` again;
 5. the gate/up GEMM, then ``_silu_mul``: scales, bias, SiLU(gate) * up, scaling;
 6. the down projection's GEMM, whose output the next layer's ``_add_norm`` takes.
@@ -171,7 +171,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
     cache slots, int64; ``ctx``: the step's attention metadata, decodes first), or None
     when the KV caches are not one stacked allocation, the linear layers are not all
     packed for oneDNN or fbgemm int8, or the decodes come without block tables. Prefill
-    chunks attend through their layer's torch attention (SDPA, as the layers do);
+    chunks attend through their layer's attention (``Attention.prefill_chunk``);
     everything else runs as for decodes."""
     caches = plan.caches()
     if "batch_ok" not in plan.__dict__:
@@ -229,7 +229,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
 def _prefill_attention(module: torch.nn.Module, prefills: list, q: torch.Tensor,
                        qkv: torch.Tensor, out: torch.Tensor) -> None:
     """Each prefill chunk's attention, as ``layers.attention.Attention`` computes it: over
-    the chunk's own (rotated) keys and values when it starts the sequence, else over its
+    the chunk's own (rotated) keys and values when those are all it sees, else over its
     context gathered from the cache (which ``_attention`` has just written)."""
     heads, kv_heads, dim = module.num_heads, module.num_kv_heads, module.head_dim
     q_size, kv_size = heads * dim, kv_heads * dim
@@ -239,13 +239,12 @@ def _prefill_attention(module: torch.nn.Module, prefills: list, q: torch.Tensor,
     value_flat = module.kv_cache[1].view(-1, kv_heads, dim)
     for p in prefills:
         rows = slice(p.token_start, p.token_start + p.num_tokens)
-        mask = p.mask(module.sliding_window)
-        if mask is None:
+        if module.sees_own_rows(p):
             keys, values = keys_all[rows], values_all[rows]
         else:
             keys = key_flat.index_select(0, p.slots).to(q.dtype)
             values = value_flat.index_select(0, p.slots).to(q.dtype)
-        out[rows] = module._prefill(q[rows], keys, values, mask).reshape(p.num_tokens, -1)
+        out[rows] = module.prefill_chunk(p, q[rows], keys, values).reshape(p.num_tokens, -1)
 
 
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_math import exp32, fetch_rows, kv_array, widen_kv_row
+from rvllm.kernels.cpu_math import exp32, fetch_rows, kv_array, row_max, widen_kv_row
 from rvllm.kernels.cpu_vectors import LANES, run_scores, run_values, supports
 
 
@@ -166,9 +166,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
         if soft_cap > 0:
             for i in range(count):
                 scores[h, i] = soft_cap * np.tanh(scores[h, i] / soft_cap)
-        top = np.float32(-np.inf)
-        for i in range(count):
-            top = max(top, scores[h, i])
+        top = row_max(scores[h])
         total = np.float32(0.0)
         for i in range(count):
             p = exp32(scores[h, i] - top)

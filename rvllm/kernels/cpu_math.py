@@ -9,6 +9,10 @@ Relative error under 3e-7 (a few float32 ulps) on [-87, 88]; arguments are clamp
 [-87.3, 88.3] first, so far below it gives e^-87.3 (about 1e-38) rather than 0, which
 a softmax or a SiLU cannot tell apart, and it never overflows.
 
+``row_max`` is a row's largest element on eight running maxima: one running maximum (a
+softmax's first pass, as written plainly) is a chain of dependent compares that LLVM does
+not vectorise, 0.77 ns an element on this Zen 2 against 0.20.
+
 ``widen_kv``, ``widen_kv_row`` and ``narrow_kv`` read and write KV-cache elements
 whatever the cache's storage (``--kv-cache-dtype``): float32 as is, bfloat16 as its
 uint16 bit pattern (torch tensors of bfloat16 reach numba through ``kv_array``). Widening
@@ -105,6 +109,25 @@ def exp32(x):
     p = p * r + _C0
     e = p * (r * r) + r + np.float32(1.0)
     return e * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@numba.njit(fastmath=True, cache=True, inline="always")
+def row_max(row):
+    """The largest element of the 1-D ``row`` (-inf when empty)."""
+    n = row.shape[0]
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(-np.inf)
+    i = 0
+    while i + 8 <= n:
+        m0, m1 = max(m0, row[i]), max(m1, row[i + 1])
+        m2, m3 = max(m2, row[i + 2]), max(m3, row[i + 3])
+        m4, m5 = max(m4, row[i + 4]), max(m5, row[i + 5])
+        m6, m7 = max(m6, row[i + 6]), max(m7, row[i + 7])
+        i += 8
+    top = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    while i < n:
+        top = max(top, row[i])
+        i += 1
+    return top
 
 
 def kv_array(cache: torch.Tensor) -> np.ndarray:

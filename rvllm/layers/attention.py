@@ -17,7 +17,8 @@ cache directly (paged decode with split-KV, paged prefill); soft-capped layers k
 the torch path, which the kernels do not cover. With the numba backend (the CPU in
 float32) decode attention reads the paged cache directly too
 (``kernels.cpu_decode_attention``), soft caps included; ``_decode``'s torch code below is
-its reference.
+its reference. Prefill chunks take ``kernels.cpu_prefill_attention`` there, soft caps
+excepted, with ``_prefill`` (SDPA) as its reference.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rvllm.forward_context import AttentionMetadata, get_forward_context
+from rvllm.forward_context import AttentionMetadata, PrefillSeq, get_forward_context
 from rvllm.layers.backend import use_numba, use_triton
 
 
@@ -73,14 +74,33 @@ class Attention(nn.Module):
             out[:nd] = self._decode(ctx, q[:nd], key_flat, value_flat)
         for p in ctx.prefills:
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            mask = p.mask(self.sliding_window)
-            if mask is None and k is not None and v is not None:
+            if self.sees_own_rows(p) and k is not None and v is not None:
                 keys, values = k[rows], v[rows]
             else:
                 keys = key_flat.index_select(0, p.slots).to(q.dtype)
                 values = value_flat.index_select(0, p.slots).to(q.dtype)
-            out[rows] = self._prefill(q[rows], keys, values, mask)
+            out[rows] = self.prefill_chunk(p, q[rows], keys, values)
         return out.view(q.shape[0], -1)
+
+    def sees_own_rows(self, p: PrefillSeq) -> bool:
+        """Whether chunk p attends to nothing but its own new rows, plainly causal (it
+        starts its sequence, no window): then they need not be read back from the cache."""
+        return p.context_len == 0 and self.sliding_window is None
+
+    def prefill_chunk(self, p: PrefillSeq, q: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        """Chunk p's attention [n, Hq, D]: its queries q [n, Hq, D] over keys and values
+        [Lk, Hk, D]: its own rows (``sees_own_rows``), else its whole context then its
+        own rows. Through the numba kernel where it applies (``use_numba``), else SDPA
+        with p's mask (the kernel's reference)."""
+        if use_numba():
+            from rvllm.kernels import cpu_prefill_attention as kernel
+
+            if kernel.supported(self.head_dim, q.dtype, self.logits_soft_cap):
+                out = kernel.prefill_attention_cpu(q, keys, values, p.context_len, self.scale,
+                                                   self.sliding_window)
+                return out.view(q.shape)
+        return self._prefill(q, keys, values, p.mask(self.sliding_window))
 
     def _forward_triton(self, ctx: AttentionMetadata, q: torch.Tensor, k: torch.Tensor | None,
                         v: torch.Tensor | None, positions: torch.Tensor | None,
