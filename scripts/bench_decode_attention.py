@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 
@@ -77,7 +78,8 @@ def time_kernel(steps: list[tuple], shape: tuple, layers: int, dtype: torch.dtyp
             start = time.perf_counter()
             for keys, values in caches:
                 _paged_decode(q, keys, values, tables, lens, np.float32(head_dim ** -0.5),
-                              np.int64(0), np.float32(0.0), np.int64(splits), out)
+                              np.int64(0), np.float32(0.0), np.int64(splits),
+                              np.int64(numba.get_num_threads()), out)
             if rep:
                 total += time.perf_counter() - start
                 nbytes += int(lens.sum()) * kv_heads * head_dim * element * 2 * layers

@@ -138,6 +138,33 @@ def test_numba_decode_attention_at_any_split_count_matches_each_sequence_written
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_numba_decode_attention_shares_items_out_once_each_and_evenly(
+        threads: int, num_splits: int) -> None:
+    # With more items than threads, each thread walks its own list of items: every item
+    # is in exactly one list, and no thread ends up with more than the least loaded plus
+    # one item's work (the longest items are handed out first).
+    import numpy as np
+
+    from rvllm.kernels.cpu_decode_attention import ITEM_OVERHEAD, _share_out, split_range
+
+    lens = np.array([700, 33, 512, 1, 90, 90, 256, 17, 400, 64, 5], np.int64)
+    order, starts = _share_out(lens, np.int64(0), np.int64(16), np.int64(num_splits),
+                               np.int64(threads))
+    items = len(lens) * num_splits
+    assert sorted(order.tolist()) == list(range(items))
+    assert starts[0] == 0 and starts[-1] == items and len(starts) == threads + 1
+
+    def cost(item: int) -> int:
+        _, _, lo, hi = split_range(lens[item // num_splits], 0, 16, num_splits,
+                                   item % num_splits)
+        return max(hi - lo, 0) + ITEM_OVERHEAD
+
+    loads = [sum(cost(i) for i in order[starts[t]:starts[t + 1]]) for t in range(threads)]
+    assert max(loads) - min(loads) <= max(cost(i) for i in range(items))
+
+
 def check_decode_attention(lens: list[int], window: int | None, cap: float | None,
                            head_dim: int = 8, block_size: int = 4) -> None:
     gen = torch.Generator().manual_seed(1)

@@ -79,14 +79,15 @@ def _add_norm(hidden, delta, delta_scale, delta_bias, weight, eps, normed, scale
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots, key_cache,
-               value_cache, tables, lens, window, scale, num_splits, q, out, out_scales,
-               quantize):
+               value_cache, tables, lens, window, scale, num_splits, threads, q, out,
+               out_scales, quantize):
     """Rows of qkv [T, Hq*D + 2*Hk*D] (times qkv_scale [T], plus qkv_bias), in place: RoPE
     on q and k at each row's position, then k and v written to the paged caches [blocks,
     block_size, Hk, D] at the row's slot (-1: nowhere) and q copied to q [T, Hq, D]. Then
     the first D = tables.shape[0] rows (the decodes) attend over their paged contexts into
     out [T, Hq*D]; when quantizing, every row of out is then scaled (so with prefill
-    rows, whose attention is the caller's, pass quantize False and scale after)."""
+    rows, whose attention is the caller's, pass quantize False and scale after).
+    ``threads``: numba's thread count (``cpu_decode_attention._paged_decode``)."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -117,7 +118,7 @@ def _attention(qkv, qkv_scale, qkv_bias, cos_table, sin_table, positions, slots,
     decodes = tables.shape[0]
     if decodes > 0:
         _paged_decode(q[:decodes], key_cache, value_cache, tables, lens, scale, window,
-                      np.float32(0.0), num_splits,
+                      np.float32(0.0), num_splits, threads,
                       out[:decodes].reshape((decodes, num_heads, head_dim)))
     _scale_rows(out, out_scales, quantize)
 
@@ -180,6 +181,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
             or (ctx.num_decode_tokens and ctx.decode_block_tables is None)):
         return None
     match_torch_threads()
+    threads = np.int64(numba.get_num_threads())
     rows, decodes = token_ids.shape[0], ctx.num_decode_tokens
     quantize = plan.like.dtype == np.int8
     hidden_t = embedding_rows(plan.embedding, token_ids)  # a copy: the residual stream
@@ -207,7 +209,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
         qkv = _gemm(attn.qkv_proj, normed_t)
         _attention(qkv.numpy(), in_scales, plan.qkv_b[i], plan.cos, plan.sin, positions,
                    slots, key_caches[i], value_caches[i], tables, lens, plan.windows[i],
-                   plan.scale, np.int64(num_splits), q_t.numpy(), attn_t.numpy(),
+                   plan.scale, np.int64(num_splits), threads, q_t.numpy(), attn_t.numpy(),
                    mid_scales, quantize and not prefills)
         if prefills:
             _prefill_attention(attn.attn, prefills, q_t, qkv, attn_t)
@@ -267,7 +269,7 @@ def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         zero = np.zeros(rows, np.int64)
         _attention(qkv, scales, none, rope, rope, zero, zero, cache, cache,
                    np.zeros((rows, 1), np.int64), zero + 1, np.int64(0), np.float32(1.0),
-                   np.int64(1), np.empty((rows, heads, dim), np.float32),
+                   np.int64(1), np.int64(1), np.empty((rows, heads, dim), np.float32),
                    np.empty((rows, heads * dim), np.float32), scales, quantize)
         _scale_rows(np.ones((rows, hidden), np.float32), scales, quantize)
         _silu_mul(np.zeros((rows, 2 * inter), np.float32), scales, none,

@@ -442,7 +442,8 @@ def _by_op(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_
         _rope_and_cache(qkv, q, scale, key_cache[layer], value_cache[layer], positions,
                         slots, cos_table, sin_table)
         _paged_decode(q, key_cache[layer], value_cache[layer], tables, lens,
-                      np.float32(1.0), windows[layer], np.float32(0.0), num_splits, attn)
+                      np.float32(1.0), windows[layer], np.float32(0.0), num_splits, parts,
+                      attn)
         _matvec(attn.reshape((rows, q_size)), _weight(o_w, layer, like, size, q_size),
                 o_s[layer], o_b[layer], delta, parts)
         _add_rows(hidden, delta)
