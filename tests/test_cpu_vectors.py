@@ -12,7 +12,6 @@ import torch
 # (it sets TRITON_INTERPRET=1 before), and pytest imports every test module up front.
 
 GROUP, KV_HEADS, DIM, TOKENS = 3, 2, 48, 16
-HEADS = GROUP * KV_HEADS
 
 
 def cache_rows(dtype: str, gen: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -54,34 +53,41 @@ def run_values(p, values, n, acc, ahead):  # noqa: ANN001, ANN201
     _callers()[1](p, values, n, acc, ahead)
 
 
+# Groups of 1 to 4 query heads a KV head take their own loops over bfloat16 rows
+# (cpu_vectors.GROUPS), 5 the general ones.
+@pytest.mark.parametrize("group", [1, GROUP, 5])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_run_scores_are_each_token_dot_each_query_head_and_write_n_lanes(dtype: str):
+def test_run_scores_are_each_token_dot_each_query_head_and_write_n_lanes(dtype: str,
+                                                                         group: int):
+    heads = group * KV_HEADS
     gen = np.random.default_rng(0)
     keys, exact = cache_rows(dtype, gen)
     ahead = cache_rows(dtype, gen)[0]
-    q = gen.standard_normal((HEADS, DIM)).astype(np.float32)
+    q = gen.standard_normal((heads, DIM)).astype(np.float32)
     for n in range(1, TOKENS + 1):
         for asked in (ahead, ahead[:0]):  # with a block to ask for, and without
-            out = np.full((HEADS, 20), 7.0, np.float32)
+            out = np.full((heads, 20), 7.0, np.float32)
             run_scores(q, keys, n, out, asked)
-            want = np.einsum("khd,tkd->kht", q.reshape(KV_HEADS, GROUP, DIM).astype(np.float64),
-                             exact[:n]).reshape(HEADS, n)
+            want = np.einsum("khd,tkd->kht", q.reshape(KV_HEADS, group, DIM).astype(np.float64),
+                             exact[:n]).reshape(heads, n)
             np.testing.assert_allclose(out[:, :n], want, rtol=1e-5, atol=1e-5)
             assert (out[:, n:] == 7.0).all()  # the lanes past the run are not stored
 
 
+@pytest.mark.parametrize("group", [1, GROUP, 5])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_run_values_add_the_weighted_rows_of_the_run_alone(dtype: str):
+def test_run_values_add_the_weighted_rows_of_the_run_alone(dtype: str, group: int):
+    heads = group * KV_HEADS
     gen = np.random.default_rng(1)
     values, exact = cache_rows(dtype, gen)
     ahead = cache_rows(dtype, gen)[0]
     for n in range(1, TOKENS + 1):
         for asked in (ahead, ahead[:0]):
-            p = np.full((HEADS, 20), np.nan, np.float32)  # weights past the run are not read
-            p[:, :n] = gen.random((HEADS, n), dtype=np.float32)
-            acc = gen.standard_normal((HEADS, DIM)).astype(np.float32)
-            weighted = np.einsum("kht,tkd->khd", p[:, :n].reshape(KV_HEADS, GROUP, n)
-                                 .astype(np.float64), exact[:n]).reshape(HEADS, DIM)
+            p = np.full((heads, 20), np.nan, np.float32)  # weights past the run are not read
+            p[:, :n] = gen.random((heads, n), dtype=np.float32)
+            acc = gen.standard_normal((heads, DIM)).astype(np.float32)
+            weighted = np.einsum("kht,tkd->khd", p[:, :n].reshape(KV_HEADS, group, n)
+                                 .astype(np.float64), exact[:n]).reshape(heads, DIM)
             want = acc.astype(np.float64) + weighted
             run_values(p, values, n, acc, asked)
             np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-5)
