@@ -64,6 +64,8 @@ array whose dtype is the cache's element type.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 from llvmlite import ir
 from llvmlite.ir import types as ir_types
@@ -216,6 +218,26 @@ _ARGS = (types.int64,) * 10
 GROUPS = (1, 2, 3, 4)
 
 
+def _switch_on_group(builder: ir.IRBuilder, group: ir.Value, name: str, bfloat16: bool,
+                     emit: Callable[[int], None]) -> ir.Block:
+    """Branch on the query group's size: a block of ``emit(size)``'s code for each of
+    ``GROUPS`` (over bfloat16 rows; none over float32 ones), the builder left in the block
+    for any other size. Returns the block where they all meet, which the caller's code for
+    the other sizes branches to."""
+    fn = builder.function
+    done = fn.append_basic_block(f"{name}_done")
+    generic = fn.append_basic_block(f"{name}_generic")
+    switch = builder.switch(group, generic)
+    for size in GROUPS if bfloat16 else ():
+        block = fn.append_basic_block(f"{name}_group_{size}")
+        switch.add_case(ir.Constant(_I64, size), block)
+        builder.position_at_end(block)
+        emit(size)
+        builder.branch(done)
+    builder.position_at_end(generic)
+    return done
+
+
 def _group_values(builder: ir.IRBuilder, run: _Run, p: ir.Value, p_stride: ir.Value,
                   v: ir.Value, size: int, acc: ir.Value, ahead: ir.Value,
                   bfloat16: bool) -> None:
@@ -309,17 +331,8 @@ def run_scores(typingctx, q, k, n, head_dim, group, kv_heads, partials, out, out
         q, k, n, head_dim, group, kv_heads, partials, out, out_stride, ahead, _ = args
         run = _Run(builder, n, head_dim, kv_heads, 2 if bfloat16 else 4)
         zero = ir.Constant(_VEC, [0.0] * LANES)
-        fn = builder.function
-        done = fn.append_basic_block("scores_sums_done")
-        generic = fn.append_basic_block("scores_generic")
-        switch = builder.switch(group, generic)
-        for size in GROUPS if bfloat16 else ():
-            block = fn.append_basic_block(f"scores_group_{size}")
-            switch.add_case(ir.Constant(_I64, size), block)
-            builder.position_at_end(block)
-            _group_scores(builder, run, q, k, size, partials, ahead, bfloat16)
-            builder.branch(done)
-        builder.position_at_end(generic)
+        done = _switch_on_group(builder, group, "scores", bfloat16, lambda size: _group_scores(
+            builder, run, q, k, size, partials, ahead, bfloat16))
         sums = [cgutils.alloca_once(builder, _VEC) for _ in range(run.take)]  # registers
         with cgutils.for_range(builder, run.steps) as step:
             tokens = run.tokens(step.index)
@@ -374,17 +387,8 @@ def run_values(typingctx, p, p_stride, v, n, head_dim, group, kv_heads, acc, ahe
     def codegen(context, builder, signature, args):
         p, p_stride, v, n, head_dim, group, kv_heads, acc, ahead, _ = args
         run = _Run(builder, n, head_dim, kv_heads, 2 if bfloat16 else 4)
-        fn = builder.function
-        done = fn.append_basic_block("values_done")
-        generic = fn.append_basic_block("values_generic")
-        switch = builder.switch(group, generic)
-        for size in GROUPS if bfloat16 else ():
-            block = fn.append_basic_block(f"values_group_{size}")
-            switch.add_case(ir.Constant(_I64, size), block)
-            builder.position_at_end(block)
-            _group_values(builder, run, p, p_stride, v, size, acc, ahead, bfloat16)
-            builder.branch(done)
-        builder.position_at_end(generic)
+        done = _switch_on_group(builder, group, "values", bfloat16, lambda size: _group_values(
+            builder, run, p, p_stride, v, size, acc, ahead, bfloat16))
         with cgutils.for_range(builder, run.steps) as step:
             tokens = run.tokens(step.index)
             rows = run.row_offsets(tokens)
