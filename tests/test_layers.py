@@ -248,9 +248,11 @@ def test_prefill_attention_matches_each_query_written_out(
 
 @pytest.mark.parametrize("context_len, n, window", [(0, 290, None), (100, 77, None),
                                                     (0, 50, 19), (37, 40, 24)])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 2), (2, 2)])
 def test_numba_prefill_attention_over_many_tiles_matches_sdpa(
-        context_len: int, n: int, window: int | None) -> None:
-    # SmolLM2's heads (9 query heads on 3 KV heads, 64 wide): query tiles of 16
+        context_len: int, n: int, window: int | None, heads: int, kv_heads: int) -> None:
+    # SmolLM2's heads (9 query heads on 3 KV heads, 64 wide), and groups of 2 and 1
+    # (32 and 16 rows an item: blocks of six rows, then pairs): query tiles of 16
     # positions, the last one partial, against tiles of 16 keys, the window starting
     # inside one.
     from rvllm.forward_context import PrefillSeq
@@ -258,10 +260,11 @@ def test_numba_prefill_attention_over_many_tiles_matches_sdpa(
 
     gen = torch.Generator().manual_seed(4)
     total = context_len + n
-    q = torch.randn(n, 9, 64, generator=gen)
-    keys, values = torch.randn(total, 3, 64, generator=gen), torch.randn(total, 3, 64,
-                                                                         generator=gen)
-    got = prefill_attention_cpu(q, keys, values, context_len, 0.125, window).view(n, 9, 64)
+    q = torch.randn(n, heads, 64, generator=gen)
+    keys = torch.randn(total, kv_heads, 64, generator=gen)
+    values = torch.randn(total, kv_heads, 64, generator=gen)
+    got = prefill_attention_cpu(q, keys, values, context_len, 0.125, window).view(n, heads,
+                                                                                  64)
     mask = PrefillSeq(0, n, context_len, torch.arange(total)).mask(window)
     if mask is None:
         mask = torch.ones(n, total, dtype=torch.bool).tril()

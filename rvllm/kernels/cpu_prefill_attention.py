@@ -28,7 +28,7 @@ from numba import prange
 
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_math import exp32, row_max
-from rvllm.kernels.cpu_vectors import LANES, ROWS, rows_times_tile, supports
+from rvllm.kernels.cpu_vectors import LANES, rows_times_tile, supports
 
 
 @numba.njit(parallel=True, cache=True)
@@ -103,11 +103,8 @@ def _prefill(q, keys, values, context_len, scale, window, out):
         width = (t_hi - t_lo) * LANES
         scores = np.empty((rows, width), np.float32)
         for t in range(t_lo, t_hi):
-            for r in range(0, rows, ROWS):
-                rows_times_tile(queries.ctypes.data + r * dim * 4, dim,
-                                keys_t[kv, t].ctypes.data, LANES, dim,
-                                scores.ctypes.data + (r * width + (t - t_lo) * LANES) * 4,
-                                width, 0)
+            rows_times_tile(rows, queries.ctypes.data, dim, keys_t[kv, t].ctypes.data, LANES,
+                            dim, scores.ctypes.data + (t - t_lo) * LANES * 4, width, 0)
         inv_sums = np.zeros(rows, np.float32)
         _softmax_rows(scores, t_lo * LANES, context_len, p0, valid, group, window, inv_sums)
         acc = np.empty((rows, dim), np.float32)
@@ -116,11 +113,9 @@ def _prefill(q, keys, values, context_len, scale, window, out):
             for chunk in range(0, dim, LANES):
                 first_value = values.ctypes.data + (t * LANES * row_stride + kv * dim
                                                     + chunk) * 4
-                for r in range(0, rows, ROWS):
-                    rows_times_tile(scores.ctypes.data + (r * width + (t - t_lo) * LANES) * 4,
-                                    width, first_value, row_stride, count,
-                                    acc.ctypes.data + (r * dim + chunk) * 4, dim,
-                                    1 if t > t_lo else 0)
+                rows_times_tile(rows, scores.ctypes.data + (t - t_lo) * LANES * 4, width,
+                                first_value, row_stride, count, acc.ctypes.data + chunk * 4,
+                                dim, 1 if t > t_lo else 0)
         for m in range(group):
             for i in range(valid):
                 r = m * LANES + i
