@@ -16,7 +16,11 @@ alternates two measurements so a drift in the machine's speed reaches both alike
 A token's weight bytes over its median time (per round: the round's time over its tokens),
 as a share of the fastest read's median rate, is the "share of the bandwidth limit" of
 issue 6. The step also reads the sequence's KV cache, which grows with it: the share with
-those bytes counted too is printed beside it.
+those bytes counted too is printed beside it. Where the memory's speed drifts from second
+to second (a shared host), the medians of the two come from different moments; so each
+round's rate is also set against the reads on either side of it (the fastest kind's
+median of each batch of reads, the two batches averaged), and the median of those paired
+shares is printed too.
 
     python scripts/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
         [--num-scheduler-steps 8] [--idle]
@@ -186,12 +190,18 @@ def main() -> None:
     for _ in range(3):  # the prefill and the first decode steps
         engine.step()
     rounds: dict[int, list[tuple[float, float]]] = {k: [] for k in kinds}
-    for _ in range(ns.rounds):
+    batches = []  # each batch of reads' fastest kind's median rate, before each round
+    for r in range(ns.rounds + 1):
+        batch: dict[str, list[float]] = {name: [] for name in reads}
         for _ in range(3):
-            for read, rates in reads.values():
+            for name, (read, rates) in reads.items():
                 t = time.perf_counter()
                 read(buf, parts)
-                rates.append(buf.nbytes / (time.perf_counter() - t))
+                batch[name].append(buf.nbytes / (time.perf_counter() - t))
+                rates.append(batch[name][-1])
+        batches.append(max(statistics.median(rates) for rates in batch.values()))
+        if r == ns.rounds:
+            break
         for k in kinds:
             rounds[k].append(decode_round(llm, seq, ns.steps, k))
     print(f"model {ns.model} ({ns.quantization or 'float32'}), {parts} threads")
@@ -210,6 +220,11 @@ def main() -> None:
               f"{nbytes / token / read_rate:.1%} of the read; with the KV cache (mean "
               f"context {context:.0f}, {per_position * context / 1e6:.1f} MB) "
               f"{with_kv / token / read_rate:.1%}")
+        paired = [nbytes / t / ((batches[i] + batches[i + 1]) / 2)
+                  for i, (t, _) in enumerate(results)]
+        print(f"  paired with the reads on either side of each round: median "
+              f"{statistics.median(paired):.1%} of the read (rounds: "
+              f"{', '.join(f'{x:.1%}' for x in paired)})")
 
 
 if __name__ == "__main__":

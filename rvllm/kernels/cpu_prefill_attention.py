@@ -4,7 +4,7 @@ A prompt's (or a chunk's) queries attend to its context and to their own rows, e
 the keys at or before its position (within the sliding window, if any). torch's SDPA on
 the CPU ran these at 46-55 GFLOP/s on this Zen 2 (SmolLM2's heads, 290 to 512 tokens),
 and serving's replay spent a tenth of its time there. This kernel runs them as small
-register-blocked matrix products (``cpu_vectors.rows_times_tile``) at 80-110 GFLOP/s.
+register-blocked matrix products (``cpu_vectors.rows_times_tile``) at 95-120 GFLOP/s.
 
 One work item is one KV head and one tile of 16 query positions, for all the query heads
 that share the KV head (GQA: group x 16 rows, each key read once for them). Two passes
