@@ -63,12 +63,14 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         cpu_decoder_step,
         cpu_gemv,
         cpu_greedy,
+        cpu_int8_gemm,
         cpu_prefill_attention,
         cpu_quantize,
     )
 
     if int8:
         cpu_quantize.warm_up()  # then its int8 quantization
+        cpu_int8_gemm.warm_up()
     if float32:
         cpu_decode_attention.warm_up(kv_dtype)
         cpu_prefill_attention.warm_up()

@@ -1,7 +1,7 @@
 """Every step ``cpu_decoder_step`` does not take (a decode step of many sequences, or
 any step with prefill chunks) through a Llama-shaped stack: the layers' own GEMMs
-(fbgemm's int8, oneDNN's float32) with everything between them in three numba calls a
-layer.
+(int8: ``cpu_int8_gemm`` over the weights' panels, or fbgemm's; float32: oneDNN's) with
+everything between them in three numba calls a layer.
 
 Past ``cpu_decoder_step``'s few rows a step is arithmetic-bound in its linear layers,
 where the packed GEMMs win; but through the layers each of the ~45 torch operations a
@@ -13,7 +13,8 @@ its tensor: at 32 decoding sequences they took as long as attention, and in a
 1. ``_add_norm``: the residual add of the last projection's output (times its
    rows' scales, plus its bias), RMSNorm, and, for int8 weights, each row divided by
    its largest magnitude (fbgemm quantizes its whole input with one scale; this makes
-   it per token, as the layers' int8 path does);
+   it per token, as the layers' int8 path does; ``cpu_int8_gemm`` quantizes each row
+   on its own either way);
 2. the QKV GEMM;
 3. ``_attention``: scales and bias, RoPE, the cache write, paged decode attention for
    the decode rows (``cpu_decode_attention``); prefill chunks then attend through their
@@ -24,7 +25,7 @@ its tensor: at 32 decoding sequences they took as long as attention, and in a
 6. the down projection's GEMM, whose output the next layer's ``_add_norm`` takes.
 
 It serves the stacks ``cpu_decoder_step.build_plan`` accepts whose linear layers are
-packed for oneDNN or fbgemm int8; the layers are the reference it is tested against
+packed for oneDNN or int8; the layers are the reference it is tested against
 (``tests/test_cpu_decoder_step.py``).
 """
 
@@ -39,6 +40,7 @@ from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_gemv import embedding_rows, pending_linear
+from rvllm.kernels.cpu_int8_gemm import matmul_into
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 from rvllm.kernels.cpu_step_parts import _rms_norm, _rope
 
@@ -147,10 +149,16 @@ def _silu_mul(gate_up, gu_scale, gu_bias, act, scales, quantize):
         _scale_row(act, b, scales, quantize)
 
 
-def _gemm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x W^T through the module's packed weight, with no bias and no scaling (the
-    kernels around it apply those)."""
+def _gemm(module: torch.nn.Module, x: torch.Tensor, threads: np.int64) -> torch.Tensor:
+    """x W^T through the module's packed weight (int8: its panels, through
+    ``cpu_int8_gemm``, where it has them), with no bias and no scaling (the kernels
+    around it apply those). ``threads``: numba's thread count."""
     if module.linear_kind == "int8":
+        if module.packed_weight is None:
+            panels = module.panel_weight
+            out = torch.empty(x.shape[0], panels.rows)
+            matmul_into(x.numpy(), panels.weight, panels.scale, out.numpy(), threads)
+            return out
         return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
     if module.packed_weight is None:  # its oneDNN reorder is still pending
         return pending_linear(module, x)
@@ -206,7 +214,7 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
         attn, mlp = layer.self_attn, layer.mlp
         _add_norm(hidden, delta, delta_scale, delta_bias, plan.norms1[i], plan.eps, normed,
                   in_scales, quantize)
-        qkv = _gemm(attn.qkv_proj, normed_t)
+        qkv = _gemm(attn.qkv_proj, normed_t, threads)
         _attention(qkv.numpy(), in_scales, plan.qkv_b[i], plan.cos, plan.sin, positions,
                    slots, key_caches[i], value_caches[i], tables, lens, plan.windows[i],
                    plan.scale, np.int64(num_splits), threads, q_t.numpy(), attn_t.numpy(),
@@ -214,14 +222,14 @@ def batch_step(plan, token_ids: torch.Tensor, positions: np.ndarray,  # noqa: AN
         if prefills:
             _prefill_attention(attn.attn, prefills, q_t, qkv, attn_t)
             _scale_rows(attn_t.numpy(), mid_scales, quantize)
-        o = _gemm(attn.o_proj, attn_t)
+        o = _gemm(attn.o_proj, attn_t, threads)
         _add_norm(hidden, o.numpy(), mid_scales, plan.o_b[i], plan.norms2[i], plan.eps,
                   normed, in_scales, quantize)
-        gate_up = _gemm(mlp.gate_up_proj, normed_t)
+        gate_up = _gemm(mlp.gate_up_proj, normed_t, threads)
         _silu_mul(gate_up.numpy(), in_scales, plan.gu_b[i], act_t.numpy(), mid_scales,
                   quantize)
-        delta, delta_scale, delta_bias = (_gemm(mlp.down_proj, act_t).numpy(), mid_scales,
-                                          plan.down_b[i])
+        delta = _gemm(mlp.down_proj, act_t, threads).numpy()
+        delta_scale, delta_bias = mid_scales, plan.down_b[i]
     out = torch.empty_like(hidden_t)
     _add_norm(hidden, delta, delta_scale, delta_bias, plan.final_norm, plan.eps, out.numpy(),
               none, False)

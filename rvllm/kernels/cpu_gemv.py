@@ -299,8 +299,8 @@ def _fill_panels(w, out):
 @dataclass(frozen=True, slots=True)
 class Panels:
     """What a linear layer keeps for ``gemv``: its weight [N, K] as panels [ceil(N / 16),
-    K, 16] (float32, or int8 with its float32 scales [N]; empty: none), made once so a
-    call converts only x."""
+    K, 16] (float32, or int8 with its float32 scales, padded with zeros to the panels'
+    16 ceil(N / 16) rows; empty: none), made once so a call converts only x."""
 
     weight: np.ndarray
     scale: np.ndarray
@@ -316,7 +316,10 @@ def panels(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Panels:
     w = weight.contiguous().numpy()
     out = empty_huge_pages(panel_shape(*w.shape), weight.dtype).numpy()
     _fill_panels(w, out)
-    scales = _EMPTY if scale is None else scale.float().contiguous().numpy()
+    scales = _EMPTY
+    if scale is not None:
+        scales = np.zeros(out.shape[0] * PANEL, np.float32)
+        scales[:w.shape[0]] = scale.float().numpy()
     return Panels(out, scales, w.shape[0])
 
 

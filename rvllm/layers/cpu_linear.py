@@ -69,9 +69,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
                           ) -> torch.Tensor:
-    """What the int8 path computes, in plain torch: each row of x divided by its largest
-    magnitude, the whole batch then quantized to 7-bit unsigned integers with one scale and
-    zero point (the range always includes 0), times the int8 weight, rows scaled back."""
+    """What fbgemm's int8 path computes (without numba's panels, or with an odd input
+    width), in plain torch: each row of x divided by its largest magnitude, the whole
+    batch then quantized to 7-bit unsigned integers with one scale and zero point (the
+    range always includes 0), times the int8 weight, rows scaled back. With the panels,
+    inputs of more than one row go through ``kernels.cpu_int8_gemm`` instead, within
+    1e-4 of ``F.linear`` on the dequantized weight."""
     s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-10)
     xn = x / s
     lo, hi = xn.min().clamp(max=0.0), xn.max().clamp(min=0.0)
@@ -105,6 +108,10 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         from rvllm.kernels.cpu_gemv import gemv
 
         y = gemv(x2, panels)
+    elif kind == "int8" and panels is not None and x2.shape[1] % 2 == 0:
+        from rvllm.kernels.cpu_int8_gemm import int8_matmul
+
+        y = int8_matmul(x2, panels)
     elif kind == "onednn":
         if module.packed_weight is None:  # its reorder is still pending
             from rvllm.kernels.cpu_gemv import pending_linear
@@ -235,10 +242,15 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             packs.append((m, partial(torch.ops.quantized.linear_prepack_fp16, w.float(), None)))
         else:
             q, scale = quantize(w)
-            packs.append((m, partial(torch.ops.quantized.linear_prepack, _int8_tensor(q, scale),
-                                     None)))
             if keep_rows:
                 m.panel_weight = panels(q, scale)
+            if keep_rows and q.shape[1] % 2 == 0:
+                # Inputs of any rows read the panels (the GEMV, kernels.cpu_int8_gemm):
+                # fbgemm's copy would go unread.
+                m.packed_weight = None
+            else:
+                packs.append((m, partial(torch.ops.quantized.linear_prepack,
+                                         _int8_tensor(q, scale), None)))
         m.linear_kind = kind
         if not getattr(m, "keeps_weight", False):
             # Nothing reads the plain copy any more (a pending pack holds its own
