@@ -25,13 +25,17 @@ sums in registers, then scales them to float32 (the panel's 16 weight scales and
 row's own) and stores them. Each thread takes an even share of the panels, each panel
 in its L1 for every 4 rows of a chunk of rows whose activations fit in the L2.
 
-On this Zen 2, alone (GOP/s, 2 threads, SmolLM2's shapes, against fbgemm's in the same
-run): 32 rows, QKV 154 / 105, output 142 / 122, gate/up 178 / 162, down 163 / 151; 512
-rows, 170-185 / 166-175. One thread's tile alone ran at 100 GOP/s, the integer
-multiplier's whole rate at 3.1 GHz.
+On this Zen 2 (``scripts/bench_int8_gemm.py``: SmolLM2's four projections, 30 layers'
+weights read from memory, GOP/s on 2 threads, fbgemm's in the same run): 8 rows 132
+against 113, 32 rows 167 against 159, 128 rows 180 against 173, 512 rows 178 against 177;
+its LM head (576 x 49152) at 32 rows 177 against 187, at 8 rows 179 against 166. One
+thread's tile alone, its operands in the L1, ran at 100 GOP/s: the integer multiplier's
+whole rate at 3.1 GHz. The first tile of each panel asks for the next panel's lines as it
+goes (8 rows, from memory: 116-126 GOP/s against 107-108 without).
 
-The reduction dimension K must be even (``supports``); the layers' other inputs stay on
-fbgemm. Tested against ``F.linear`` on the dequantized weight (``tests/test_cpu_linear.py``).
+The reduction dimension K must be even (``layers.cpu_linear`` keeps fbgemm for the
+rest, and without numba). Tested against ``F.linear`` on the dequantized weight
+(``tests/test_cpu_linear.py``).
 """
 
 from __future__ import annotations
@@ -130,11 +134,6 @@ def levels(k):
     """The largest magnitude a row's activations are quantized to, for a reduction
     dimension of k: k products of it and 127 (the weight's) fit a 32-bit sum."""
     return min(32767, (2 ** 31 - 1) // (127 * k))
-
-
-@numba.njit(cache=True, inline="always")
-def supports(k):
-    return k > 0 and k % 2 == 0
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
