@@ -1,4 +1,5 @@
-"""int8 GEMMs on the CPU: ``kernels.cpu_int8_gemm`` against fbgemm's, side by side.
+"""int8 GEMMs on the CPU: ``kernels.cpu_int8_gemm`` against fbgemm's, side by side (with
+``--float32``: ``kernels.cpu_f32_gemm`` against oneDNN's packed float32 GEMM).
 
 SmolLM2's four projections a layer (QKV 576 x 960, output 576 x 576, gate/up 576 x 3072,
 down 1536 x 576) with random int8 weights, for each row count:
@@ -9,7 +10,7 @@ down 1536 x 576) with random int8 weights, for each row count:
 Each figure is the best of three passes, in GOP/s (two operations a multiply-add), the
 two kernels in turns.
 
-    python scripts/bench_int8_gemm.py [--rows 8,32,128,512]
+    python scripts/bench_int8_gemm.py [--rows 8,32,128,512] [--float32]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import warnings
 
 import torch
 
+from rvllm.kernels.cpu_f32_gemm import float32_matmul
 from rvllm.kernels.cpu_gemv import panels
 from rvllm.kernels.cpu_int8_gemm import int8_matmul
 from rvllm.layers.cpu_linear import _int8_tensor
@@ -28,7 +30,10 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N)
 LAYERS = 30
 
 
-def weights(k: int, n: int) -> tuple:
+def weights(k: int, n: int, float32: bool) -> tuple:
+    if float32:
+        w = torch.randn(n, k)
+        return panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) * 0.01 + 1e-3
     with warnings.catch_warnings():
@@ -50,6 +55,14 @@ def ours(x: torch.Tensor, w: tuple) -> None:
     int8_matmul(x, w[0])
 
 
+def ours_float32(x: torch.Tensor, w: tuple) -> None:
+    float32_matmul(x, w[0])
+
+
+def onednn(x: torch.Tensor, w: tuple) -> None:
+    torch.ops.mkldnn._linear_pointwise(x, w[1], None, "none", [], "")
+
+
 def fbgemm(x: torch.Tensor, w: tuple) -> None:
     torch.ops.quantized.linear_dynamic(x, w[1], True)
 
@@ -64,16 +77,19 @@ def layers(gemm, xs: dict, stack: list, repeat: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="8,32,128,512")
+    parser.add_argument("--float32", action="store_true")
     ns = parser.parse_args()
     torch.manual_seed(0)
-    stack = [[weights(k, n) for k, n in SHAPES] for _ in range(LAYERS)]
-    head = weights(576, 49152)
+    stack = [[weights(k, n, ns.float32) for k, n in SHAPES] for _ in range(LAYERS)]
+    head = weights(576, 49152, ns.float32)
+    kernels = ((("cpu_f32_gemm", ours_float32), ("oneDNN", onednn)) if ns.float32 else
+               (("cpu_int8_gemm", ours), ("fbgemm", fbgemm)))
     layer_ops = 2 * sum(k * n for k, n in SHAPES)
     print("rows | kernel | memory | cache | LM head   (GOP/s)")
     for rows in (int(r) for r in ns.rows.split(",")):
         xs = {k: torch.randn(rows, k) for k, _ in SHAPES}
         repeat = max(1, 2000 // rows)
-        for name, gemm in (("cpu_int8_gemm", ours), ("fbgemm", fbgemm)):
+        for name, gemm in kernels:
             layers(gemm, xs, stack, 1)
             memory = best_rate(layer_ops * LAYERS * rows, layers, gemm, xs, stack, 1)
             cache = best_rate(layer_ops * repeat * rows, layers, gemm, xs, stack[:1], repeat)

@@ -109,13 +109,14 @@ def test_int8_path_equals_its_plain_torch_reference(rows: int) -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
-def test_numba_one_row_gemv_equals_f_linear_and_more_rows_use_onednn(kernel_backend) -> None:
+def test_numba_rows_read_the_panels_and_equal_f_linear(kernel_backend) -> None:
     block = Block()
     inputs_by_rows = {rows: inputs(rows) for rows in (1, 4)}
     expected = {rows: block.references(x, h, lambda w: w.clone())
                 for rows, (x, h) in inputs_by_rows.items()}
     assert prepare_linear_weights(block, "auto") == "onednn"
-    assert block.col.panel_weight.weight.shape == (2, 48, 16)  # made for one-row inputs
+    # One row: the GEMV; more: cpu_f32_gemm; both over the same panels.
+    assert block.col.panel_weight.weight.shape == (2, 48, 16)
     for rows, (x, h) in inputs_by_rows.items():
         for got, want in zip(block.outputs(x, h), expected[rows]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -189,6 +190,20 @@ def test_int8_matmul_equals_f_linear_on_the_dequantized_weight(rows: int, k: int
                                                                     * scale[:, None]).sum(1)
     assert ((got - want).abs() <= bound * 1.01 + 1e-6).all()
     assert levels(576) == 29356 and levels(1536) == 11008
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 4, 17), (2, 16, 16), (3, 8, 33), (7, 64, 40),
+                                        (31, 576, 96), (251, 576, 20)])
+def test_float32_matmul_over_panels_equals_f_linear(rows: int, k: int, n: int) -> None:
+    # Six rows a tile, then pairs, an odd last row as a pair of itself; outputs past a
+    # multiple of 16 through the scratch tile; 251 rows: chunks of 84 (K = 576).
+    from rvllm.kernels.cpu_f32_gemm import float32_matmul
+    from rvllm.kernels.cpu_gemv import panels
+
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    torch.testing.assert_close(float32_matmul(x, panels(w)), F.linear(x, w), rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_int8_matmul_sums_do_not_overflow_at_the_largest_levels() -> None:

@@ -61,6 +61,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         cpu_batch_step,
         cpu_decode_attention,
         cpu_decoder_step,
+        cpu_f32_gemm,
         cpu_gemv,
         cpu_greedy,
         cpu_int8_gemm,
@@ -74,6 +75,7 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
     if float32:
         cpu_decode_attention.warm_up(kv_dtype)
         cpu_prefill_attention.warm_up()
+        cpu_f32_gemm.warm_up()
     cpu_gemv.warm_up(int8, float32)
     cpu_decoder_step.warm_up(kv_dtype, int8, float32)
     cpu_batch_step.warm_up(kv_dtype, int8, float32)

@@ -1,7 +1,7 @@
 """Every step ``cpu_decoder_step`` does not take (a decode step of many sequences, or
 any step with prefill chunks) through a Llama-shaped stack: the layers' own GEMMs
-(int8: ``cpu_int8_gemm`` over the weights' panels, or fbgemm's; float32: oneDNN's) with
-everything between them in three numba calls a layer.
+(over the weights' panels: ``cpu_int8_gemm``, ``cpu_f32_gemm``; else fbgemm's int8 or
+oneDNN's float32) with everything between them in three numba calls a layer.
 
 Past ``cpu_decoder_step``'s few rows a step is arithmetic-bound in its linear layers,
 where the packed GEMMs win; but through the layers each of the ~45 torch operations a
@@ -39,6 +39,7 @@ from numba import prange
 from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
+from rvllm.kernels.cpu_f32_gemm import matmul_into as f32_matmul_into
 from rvllm.kernels.cpu_gemv import embedding_rows, pending_linear
 from rvllm.kernels.cpu_int8_gemm import matmul_into
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
@@ -150,8 +151,8 @@ def _silu_mul(gate_up, gu_scale, gu_bias, act, scales, quantize):
 
 
 def _gemm(module: torch.nn.Module, x: torch.Tensor, threads: np.int64) -> torch.Tensor:
-    """x W^T through the module's packed weight (int8: its panels, through
-    ``cpu_int8_gemm``, where it has them), with no bias and no scaling (the kernels
+    """x W^T through the module's panels where it has them (``cpu_int8_gemm``,
+    ``cpu_f32_gemm``), else its packed weight, with no bias and no scaling (the kernels
     around it apply those). ``threads``: numba's thread count."""
     if module.linear_kind == "int8":
         if module.packed_weight is None:
@@ -160,6 +161,11 @@ def _gemm(module: torch.nn.Module, x: torch.Tensor, threads: np.int64) -> torch.
             matmul_into(x.numpy(), panels.weight, panels.scale, out.numpy(), threads)
             return out
         return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
+    panels = getattr(module, "panel_weight", None)
+    if panels is not None:  # float32 panels: cpu_f32_gemm, faster than oneDNN here
+        out = torch.empty(x.shape[0], panels.rows)
+        f32_matmul_into(x.numpy(), panels.weight, out.numpy(), threads)
+        return out
     if module.packed_weight is None:  # its oneDNN reorder is still pending
         return pending_linear(module, x)
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")

@@ -112,6 +112,10 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         from rvllm.kernels.cpu_int8_gemm import int8_matmul
 
         y = int8_matmul(x2, panels)
+    elif kind == "onednn" and panels is not None:
+        from rvllm.kernels.cpu_f32_gemm import float32_matmul
+
+        y = float32_matmul(x2, panels)
     elif kind == "onednn":
         if module.packed_weight is None:  # its reorder is still pending
             from rvllm.kernels.cpu_gemv import pending_linear

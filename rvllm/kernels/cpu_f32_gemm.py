@@ -1,0 +1,82 @@
+"""Rows of float32 activations times a float32 weight's panels, with numba.
+
+The one-row GEMV keeps every float32 linear weight as panels [P, K, 16] (``cpu_gemv``):
+16 output rows a panel, column by column, so a panel is already the right-hand operand
+of ``cpu_vectors.rows_times_tile`` (a 16-lane tile row per column: six rows of x by the
+panel, 12 sums in registers). Over many rows that is a GEMM: each thread takes an even
+share of the panels, and each panel stays in its L1 for every six rows of a chunk of rows
+that fits in the L2. An odd last row is taken as a pair of itself, and a last panel
+past N goes through a scratch tile.
+
+oneDNN's packed float32 GEMM (``torch.ops.mkldnn._linear_pointwise``) ran SmolLM2's four
+projections a layer, 30 layers' weights read from memory, at 40-41 GFLOP/s with 8 rows,
+91-104 with 32 and 133-139 with 128 on this 2-core Zen 2; this kernel, in the same runs,
+60-63, 117-128 and 159-168 (``scripts/bench_int8_gemm.py --float32``). Results are
+``F.linear``'s up to the order of the sums (tested in ``tests/test_cpu_linear.py``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu_gemv import PANEL, Panels
+from rvllm.kernels.cpu_vectors import ROWS, rows_times_tile
+
+_CHUNK_BYTES = 192 * 1024  # a chunk of rows of x: within the L2
+
+
+@numba.njit(cache=True, inline="always")
+def _rows_by_panel(rows, x, k, panel, c, c_stride):
+    """c rows [0, rows) (stride c_stride) = x's rows times the panel: pairs and sixes,
+    and an odd last row as a pair of it with itself (both sums stored to its place)."""
+    even = rows - rows % 2
+    if even > 0:
+        rows_times_tile(even, x, k, panel, PANEL, k, c, c_stride, 0)
+    if rows % 2:
+        rows_times_tile(2, x + even * k * 4, 0, panel, PANEL, k, c + even * c_stride * 4, 0,
+                        0)
+
+
+@numba.njit(parallel=True, cache=True)
+def matmul_into(x, w, out, threads):
+    """out [M, N] = x [M, K] times the float32 panels w (``float32_matmul``'s arrays;
+    threads: numba's thread count), in one call from Python."""
+    m, k = x.shape
+    n = out.shape[1]
+    panels = w.shape[0]
+    chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
+    for t in prange(threads):
+        lo, hi = panels * t // threads, panels * (t + 1) // threads
+        edge = np.empty((min(chunk, m), PANEL), np.float32)
+        for r0 in range(0, m, chunk):
+            count = min(chunk, m - r0)
+            for p in range(lo, hi):
+                if (p + 1) * PANEL <= n:
+                    _rows_by_panel(count, x[r0].ctypes.data, k, w[p].ctypes.data,
+                                   out[r0, p * PANEL:].ctypes.data, n)
+                else:  # outputs past N: through the scratch tile
+                    _rows_by_panel(count, x[r0].ctypes.data, k, w[p].ctypes.data,
+                                   edge.ctypes.data, PANEL)
+                    for i in range(count):
+                        for j in range(n - p * PANEL):
+                            out[r0 + i, p * PANEL + j] = edge[i, j]
+
+
+def float32_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
+    """x [M, K] (float32) times the float32 weight of ``panels`` transposed."""
+    match_torch_threads()
+    out = torch.empty(x.shape[0], panels.rows)
+    matmul_into(x.contiguous().numpy(), panels.weight, out.numpy(),
+                np.int64(numba.get_num_threads()))
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernels on a tiny input."""
+    from rvllm.kernels.cpu_gemv import panels
+
+    float32_matmul(torch.zeros(3, 4), panels(torch.zeros(17, 4)))
