@@ -52,6 +52,18 @@ class Block(nn.Module):
         return [self.qkv(x), self.gate_up(x), self.col(x), self.row(h),
                 self.lm_head.compute_logits(x)]
 
+    def int8_references(self, x: torch.Tensor, h: torch.Tensor, reference: callable
+                        ) -> list[torch.Tensor]:
+        """Each layer's ``reference(input, q, scale)`` on its int8 weight, plus its bias
+        (in ``outputs``' order)."""
+        expected = []
+        for layer, inp in zip([self.qkv, self.gate_up, self.col, self.row, self.lm_head],
+                              [x, x, x, h, x]):
+            q, scale = quantize_int8(layer.weight)
+            y = reference(inp, q, scale)
+            expected.append(y if layer.bias is None else y + layer.bias)
+        return expected
+
     def references(self, x: torch.Tensor, h: torch.Tensor, weight: callable
                    ) -> list[torch.Tensor]:
         return [F.linear(x, weight(self.qkv.weight), self.qkv.bias),
@@ -59,6 +71,11 @@ class Block(nn.Module):
                 F.linear(x, weight(self.col.weight), self.col.bias),
                 F.linear(h, weight(self.row.weight), self.row.bias),
                 F.linear(x, weight(self.lm_head.weight))]
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+                       ) -> torch.Tensor:
+    return F.linear(x, q.float() * scale[:, None])
 
 
 def inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +111,7 @@ def test_fp16_weights_equal_f_linear_on_the_rounded_weight(rows: int) -> None:
 def test_int8_path_equals_its_plain_torch_reference(rows: int) -> None:
     block = Block()
     x, h = inputs(rows)
-    layers = [block.qkv, block.gate_up, block.col, block.row, block.lm_head]
-    expected = []
-    for layer, inp in zip(layers, [x, x, x, h, x]):
-        q, scale = quantize_int8(layer.weight)
-        y = int8_linear_reference(inp, q, scale)
-        expected.append(y if layer.bias is None else y + layer.bias)
+    expected = block.int8_references(x, h, int8_linear_reference)
     assert prepare_linear_weights(block, "auto", "int8") == "int8"
     for got, want in zip(block.outputs(x, h), expected):
         # One quantization step of an input can round the other way: allow a few of them.
@@ -127,11 +139,7 @@ def test_numba_rows_read_the_panels_and_equal_f_linear(kernel_backend) -> None:
 def test_numba_one_row_int8_gemv_is_f_linear_on_the_dequantized_weight(kernel_backend) -> None:
     block = Block()
     x, h = inputs(1)
-    layers = [block.qkv, block.gate_up, block.col, block.row, block.lm_head]
-    expected = []
-    for layer, inp in zip(layers, [x, x, x, h, x]):
-        q, scale = quantize_int8(layer.weight)
-        expected.append(F.linear(inp, q.float() * scale[:, None], layer.bias))
+    expected = block.int8_references(x, h, dequantized_linear)
     assert prepare_linear_weights(block, "auto", "int8") == "int8"
     for got, want in zip(block.outputs(x, h), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -146,13 +154,10 @@ def test_numba_int8_rows_are_f_linear_on_the_dequantized_weight(rows: int,
     # 1e-4 of the float32 product (fbgemm's 7-bit rows: 1-2e-2); no fbgemm copy is made.
     block = Block()
     x, h = inputs(rows)
-    layers = [block.qkv, block.gate_up, block.col, block.row, block.lm_head]
-    expected = []
-    for layer, inp in zip(layers, [x, x, x, h, x]):
-        q, scale = quantize_int8(layer.weight)
-        expected.append(F.linear(inp, q.float() * scale[:, None], layer.bias))
+    expected = block.int8_references(x, h, dequantized_linear)
     assert prepare_linear_weights(block, "auto", "int8") == "int8"
-    assert all(layer.packed_weight is None for layer in layers)
+    assert all(layer.packed_weight is None
+               for layer in (block.qkv, block.gate_up, block.col, block.row, block.lm_head))
     for got, want in zip(block.outputs(x, h), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
 
