@@ -51,11 +51,11 @@ from numba.extending import intrinsic
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_gemv import PANEL, Panels
 from rvllm.kernels.cpu_math import prefetch_line
+from rvllm.kernels.cpu_vectors import _F32, _I16, _I32, _int
 
 ROWS = 4  # rows a tile: 4 x 2 sums of 8 lanes in registers
 _CHUNK_BYTES = 192 * 1024  # a chunk of rows' 16-bit activations: within the L2
-_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
-                               ir.FloatType())
+_I8 = ir.IntType(8)
 _PAIRS, _SUMS, _FLOATS = (ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
                           ir.VectorType(_F32, 8))
 _TWO_COLUMNS = ir.VectorType(_I8, 2 * PANEL)
@@ -64,10 +64,6 @@ _TWO_COLUMNS = ir.VectorType(_I8, 2 * PANEL)
 _INTERLEAVE = [ir.Constant(ir.VectorType(_I32, 16), [i for j in js for i in (j, PANEL + j)])
                for js in (range(8), range(8, 16))]
 _BROADCAST = ir.Constant(ir.VectorType(_I32, 8), [0] * 8)
-
-
-def _int(value: int) -> ir.Constant:
-    return ir.Constant(_I64, value)
 
 
 def _pointer(builder: ir.IRBuilder, address: ir.Value, kind: ir.Type) -> ir.Value:

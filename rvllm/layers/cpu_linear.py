@@ -108,7 +108,8 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         from rvllm.kernels.cpu_gemv import gemv
 
         y = gemv(x2, panels)
-    elif kind == "int8" and panels is not None and x2.shape[1] % 2 == 0:
+    elif kind == "int8" and panels is not None and module.packed_weight is None:
+        # prepare_linear_weights made no fbgemm copy: the panels take every input.
         from rvllm.kernels.cpu_int8_gemm import int8_matmul
 
         y = int8_matmul(x2, panels)
