@@ -66,8 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode batch sizes to capture as CUDA graphs (default 1, 2, 4, 8 "
                         "and every 8 up to --max-num-seqs); larger batches run eagerly")
     g.add_argument("--cpu-linear-backend", choices=["auto", "onednn", "torch"], default="auto",
-                   help="float32 linear layers on the CPU: onednn = weights packed for "
-                        "oneDNN (auto, when torch has it), torch = plain F.linear")
+                   help="float32 linear layers on the CPU: onednn = weights repacked "
+                        "(auto, when torch has oneDNN): in panels for the numba kernels, "
+                        "else for oneDNN; torch = plain F.linear")
     g.add_argument("--quantization", "-q", choices=["fp16", "int8"], default=None,
                    help="CPU weight formats (fbgemm), set at load: fp16 = linear weights "
                         "stored in float16, computed in float32; int8 = weights int8 per "

@@ -296,7 +296,7 @@ def test_deferred_reorders_compute_the_same_before_during_and_after(rows: int) -
 
 
 def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -> None:
-    from rvllm.kernels.cpu_gemv import panels, panels_in_place, rows_of_panels
+    from rvllm.kernels.cpu_gemv import panels, panels_in_place
 
     for rows, cols in ((16, 5), (48, 577), (4096, 64)):  # one chunk, several, a short last
         weight = torch.randn(rows, cols)
@@ -305,7 +305,8 @@ def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -
         got = panels_in_place(copy)
         assert np.array_equal(got.weight, want.weight) and got.rows == rows
         assert got.weight.ctypes.data == copy.data_ptr()  # the weight's own memory
-        assert torch.equal(rows_of_panels(got), weight)
+        back = torch.from_numpy(got.weight).transpose(1, 2).reshape(rows, cols)
+        assert torch.equal(back, weight)  # row 16p + j is column j of panel p
     with pytest.raises(ValueError, match="multiple of 16"):
         panels_in_place(torch.randn(24, 8))
 
@@ -329,26 +330,36 @@ def test_embedding_rows_come_from_panels_or_rows_alike() -> None:
 @needs_onednn
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_deferred_reorders_with_numba_keep_the_rows_in_the_panels_meanwhile(
+def test_numba_float32_layers_keep_one_copy_in_panels_deferred_or_not(
         kernel_backend, rows: int) -> None:
-    """With the one-row GEMV's panels, a server's start makes them in the weight's own
-    memory where they fill it (16 rows a panel) and nothing else reads the rows: until
-    its reorder such a layer multiplies by the panels, and the reorder makes its rows from
-    them; the outputs stay F.linear's all along and end as packing in place gives."""
+    """With the numba kernels every input reads the panels, so no oneDNN copy is made.
+    A server's start (deferred) makes the panels in the weight's own memory where they
+    fill it (16 rows a panel) and leaves only their move into huge pages for later; the
+    outputs are F.linear's before and after it, and the same as an undeferred start's."""
     x, h = inputs(rows)
     block = Block()
     expected = block.references(x, h, lambda w: w.clone())
     packed = Block()
     prepare_linear_weights(packed, "auto")
-    prepare_linear_weights(block, "auto", defer_reorders=True)
+    layers = ("qkv", "gate_up", "col", "row", "lm_head")
+    assert all(getattr(packed, n).packed_weight is None for n in layers)
+    assert all(getattr(packed, n).weight.numel() == 0 for n in layers)
+    assert not reorder_pending(packed)
     in_place = [block.qkv, block.gate_up, block.row]  # 64, 80 and 48 rows
+    memory = [m.weight.data_ptr() for m in in_place]
+    prepare_linear_weights(block, "auto", defer_reorders=True)
+    assert [id(m) for m in block.pending_reorders] == [id(m) for m in in_place]
     assert all(m.weight.numel() == 0 and m.packed_weight is None for m in in_place)
-    assert block.col.weight.numel() > 0  # 24 rows: panels of their own
-    for got, want in zip(block.outputs(x, h), expected):
+    assert [m.panel_weight.weight.ctypes.data for m in in_place] == memory
+    assert block.col.weight.numel() == 0  # 24 rows: panels of their own
+    before = block.outputs(x, h)
+    for got, want in zip(before, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert reorder_pending(block, limit=1, gemms_only=True)  # nothing that speeds GEMMs
+    assert len(block.pending_reorders) == 3
     assert not reorder_pending(block)
-    for got, want in zip(block.outputs(x, h), packed.outputs(x, h)):
-        assert torch.equal(got, want)
+    for got, want, undeferred in zip(block.outputs(x, h), before, packed.outputs(x, h)):
+        assert torch.equal(got, want) and torch.equal(got, undeferred)
 
 
 def test_tied_lm_head_keeps_the_embedding_weight() -> None:

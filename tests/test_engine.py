@@ -355,16 +355,21 @@ def test_a_tied_lm_head_makes_its_panels_in_the_embeddings_memory(
 
 
 def test_deferred_weight_packing_matches_transformers(llama_dir: Path) -> None:
-    """What ``rvllm serve``'s engine process does: the linear weights are packed after
-    start-up, a layer per batch step and the rest when idle. Tokens stay transformers'
-    before, during and after."""
+    """What ``rvllm serve``'s engine process does: the linear weights' slow work is done
+    after start-up, the rest when idle (oneDNN's packing also a layer per batch step; the
+    numba kernels' panels only move into huge pages, when idle). Tokens stay
+    transformers' before, during and after."""
     llm = LLM(str(llama_dir), defer_weight_packing=True)
     engine = llm.engine
     if not has_pending_reorders(engine.model):
         pytest.skip("no oneDNN packing on this build")
     left = len(engine.model.pending_reorders)
+    panels = getattr(engine.model.pending_reorders[0], "panel_weight", None) is not None
     assert greedy(llm, make_prompts()) == reference(llama_dir)
-    assert 0 < len(engine.model.pending_reorders) < left  # the prefill steps packed some
+    if panels:
+        assert len(engine.model.pending_reorders) == left
+    else:
+        assert 0 < len(engine.model.pending_reorders) < left  # the prefill steps packed some
     engine.idle_work(seconds=60.0)
     assert not has_pending_reorders(engine.model)
     assert greedy(llm, make_prompts()) == reference(llama_dir)

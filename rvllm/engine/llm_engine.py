@@ -431,7 +431,7 @@ class LLMEngine:
             # Deferred packing, under load: a layer a step, on steps that a packed weight
             # makes faster. Fewer rows multiply the panels as fast; so a first request
             # with a short prompt does not wait for a layer's packing (30-70 ms).
-            reorder_pending(self.model, limit=1)
+            reorder_pending(self.model, limit=1, gemms_only=True)
         now = time.time()
         moved: dict[str, Request] = {}
         for out in step_outputs:

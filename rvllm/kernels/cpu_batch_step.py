@@ -40,7 +40,7 @@ from rvllm.forward_context import AttentionMetadata
 from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu_decode_attention import _paged_decode, step_arrays
 from rvllm.kernels.cpu_f32_gemm import matmul_into as f32_matmul_into
-from rvllm.kernels.cpu_gemv import embedding_rows, pending_linear
+from rvllm.kernels.cpu_gemv import embedding_rows
 from rvllm.kernels.cpu_int8_gemm import matmul_into
 from rvllm.kernels.cpu_math import exp32, kv_array, narrow_kv
 from rvllm.kernels.cpu_step_parts import _rms_norm, _rope
@@ -167,7 +167,7 @@ def _gemm(module: torch.nn.Module, x: torch.Tensor, threads: np.int64) -> torch.
         f32_matmul_into(x.numpy(), panels.weight, out.numpy(), threads)
         return out
     if module.packed_weight is None:  # its oneDNN reorder is still pending
-        return pending_linear(module, x)
+        return torch.nn.functional.linear(x, module.weight)
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
 
 

@@ -340,19 +340,13 @@ def panels_in_place(weight: torch.Tensor) -> Panels:
     the weight's own memory: panel p takes the bytes rows 16p..16p+15 held, so loading
     touches no second copy of the weight (fresh memory costs its page faults: 0.15-0.4 s
     for SmolLM2's 538 MB here, against 0.03 s to write memory already mapped). The
-    weight's rows are gone afterwards; :func:`rows_of_panels` makes them again."""
+    weight's rows are gone afterwards."""
     n, k = weight.shape
     if n % PANEL or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise ValueError(f"panels in place need a contiguous float32 weight of a multiple "
                          f"of {PANEL} rows, got {weight.dtype} {tuple(weight.shape)}")
     _turn_panels(weight.view(n // PANEL, PANEL * k).numpy())
     return Panels(weight.view(n // PANEL, k, PANEL).numpy(), _EMPTY, n)
-
-
-def rows_of_panels(weight: Panels) -> torch.Tensor:
-    """The float32 weight [N, K] that ``weight`` holds, in rows again (a copy)."""
-    p = torch.from_numpy(weight.weight)
-    return p.transpose(1, 2).reshape(-1, p.shape[1])[: weight.rows]
 
 
 def embedding_table(weight: torch.Tensor) -> torch.Tensor:
@@ -374,17 +368,6 @@ def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     rows = table[flat // per, :, flat % per]  # row r is column r % 16 of panel r // 16
     return rows.contiguous().view(*ids.shape, table.shape[1])
-
-
-def pending_linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] W^T, no bias, for a float32 layer whose oneDNN reorder is still pending
-    (``layers.cpu_linear``): from its plain weight, or from its panels where they took the
-    weight's memory (:func:`panels_in_place`; MKL's batched GEMM over the panels is as
-    fast as ``F.linear`` at up to 32 rows, 1.2-1.4x slower at 512)."""
-    if module.weight.numel():
-        return torch.nn.functional.linear(x, module.weight)
-    p = torch.from_numpy(module.panel_weight.weight)  # [N / 16, K, 16]
-    return torch.matmul(x, p).transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def gemv(x: torch.Tensor, weight: Panels) -> torch.Tensor:

@@ -20,13 +20,17 @@ The plain weight is released afterwards unless something else still reads it: a 
 embedding (``keeps_weight``), or a module that opts out with ``packable = False``.
 
 With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
-``onednn`` and ``int8`` forms also keep the weight in panels of 16 rows (float32, or int8
-with its scales; ``kernels.cpu_gemv``) for one-row inputs, which that GEMV reads at the
-memory's bandwidth: a one-sequence decode step runs 1.2-1.4x faster, for twice the float32
-weight memory (int8: half of float32's, all told). That int8 path widens the weight to
-float32 and leaves the activations unquantized: ``F.linear(x, q * scale)``. When oneDNN's
-reorders are deferred (a server's start) the panels are made in the weight's own memory
-where they fill it, so loading touches one copy of the weights, not two.
+``onednn`` and ``int8`` forms keep the weight in panels of 16 rows instead (float32, or
+int8 with its scales; ``kernels.cpu_gemv``): one-row inputs go through a GEMV that reads
+them at the memory's bandwidth (a one-sequence decode step 1.2-1.4x faster than oneDNN's
+packed GEMM), and more rows through GEMMs over the same panels (``kernels.cpu_f32_gemm``,
+``kernels.cpu_int8_gemm``), faster than oneDNN's and fbgemm's on this class of CPU. So
+no oneDNN or fbgemm copy is made (but for int8 weights of an odd input width): one copy
+of the weights in memory. The int8 GEMV widens the weight to float32 and leaves the
+activations unquantized: ``F.linear(x, q * scale)``. When the work is deferred (a
+server's start) the float32 panels are made in the weight's own memory where they fill
+it, so loading touches one copy of the weights, not two; moving them into huge pages is
+what is left for idle time.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ from torch import nn
 
 CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("int8", "fp16")
-# Up to this many rows, a float32 weight whose reorder is pending multiplies as fast from
-# its panels (``kernels.cpu_gemv.pending_linear``) as packed: at SmolLM2's shapes, 0.9-1.1x
-# the time at 16 and 32 rows, 1.05-1.25x at 64, 1.3-1.6x at 128-512.
+# Steps of more rows than this pack a layer whose oneDNN reorder is pending (under load,
+# ``LLMEngine.step``); fewer leave it to idle time. Up to 32 rows, panels multiplied as
+# fast as packed weights at SmolLM2's shapes (0.9-1.1x the time; 1.3-1.6x at 128-512).
 PENDING_GEMM_MAX_ROWS = 32
 
 
@@ -119,9 +123,7 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         y = float32_matmul(x2, panels)
     elif kind == "onednn":
         if module.packed_weight is None:  # its reorder is still pending
-            from rvllm.kernels.cpu_gemv import pending_linear
-
-            y = pending_linear(module, x2)
+            y = F.linear(x2, module.weight)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, module.packed_weight, bias, "none", [],
                                                    "")
@@ -168,13 +170,15 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     then a layer has no packed weight: a forward that needs one fails, it does not
     compute anything else).
 
-    With ``defer_reorders`` oneDNN's reorders (float32) are left for later:
-    :func:`reorder_pending` does them a few at a time, when the caller has nothing else
-    to do (a server between requests). Until its turn a layer computes with its plain
-    weight (``F.linear``: the same numbers up to summation order, 1.3-1.7x slower at
-    9-32 rows on this class of CPU, as fast at 128 and more), and one-row inputs read
-    the panels either way. They hold the GIL and touch fresh memory: 0.25-0.5 s
-    of a server's start for SmolLM2."""
+    With ``defer_reorders`` the float32 layers' slow work is left for later:
+    :func:`reorder_pending` does it a few layers at a time, when the caller has nothing
+    else to do (a server between requests). With the numba kernels that is moving the
+    panels made in the weights' memory into huge pages (``_reorder``; they compute the
+    same before and after). Without them it is oneDNN's reorders, which hold the GIL and
+    touch fresh memory (0.25-0.5 s of a server's start for SmolLM2); until its turn a
+    layer computes with its plain weight (``F.linear``: the same numbers up to summation
+    order, 1.3-1.7x slower at 9-32 rows on this class of CPU, as fast at 128 and
+    more)."""
     from rvllm.layers.linear import LINEAR_TYPES
 
     if backend not in CPU_LINEAR_BACKENDS:
@@ -211,31 +215,41 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         kind = "onednn"
     from rvllm.layers.backend import use_numba
 
-    # One-row inputs (a decode step of one sequence) read the weight's panels through
-    # the numba GEMV, twice as fast as the packed GEMMs at one row: that copy is made too.
+    # The numba kernels read the weight's panels for inputs of any rows (the one-row
+    # GEMV, twice as fast as the packed GEMMs at one row, and GEMMs past one).
     keep_rows = use_numba() and kind in ("onednn", "int8")
     quantize = quantize_int8
     if keep_rows:
         from rvllm.kernels.cpu_gemv import PANEL, panels, panels_in_place
         from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
     packs = []  # (module, the fbgemm call that packs its weight), run below
-    deferred = []  # modules whose oneDNN reorder waits for reorder_pending
+    deferred = []  # modules whose reorder (_reorder) waits for reorder_pending
     for m in on_cpu:
         w = m.weight.detach()
         if kind == "onednn":
-            if keep_rows and defer_reorders and _panels_may_take_rows(m, PANEL):
-                # Until the reorder the panels stand in for the rows (pending_linear), and
-                # the reorder makes the rows from them again (_reorder).
-                m.panel_weight = panels_in_place(w)
-                if getattr(m, "keeps_weight", False):
-                    # A tied LM head: its embedding reads its rows from the panels
-                    # (layers.embedding), and no 113 MB copy is made (SmolLM2).
-                    m.weight.row_panels = m.panel_weight
-                m.weight.data = torch.empty(0, dtype=m.weight.dtype)
-            elif keep_rows:
-                m.panel_weight = panels(w)
             m.linear_kind = kind
-            if defer_reorders:
+            if keep_rows:
+                # Every input reads the panels (the GEMV, kernels.cpu_f32_gemm): a oneDNN
+                # copy would go unread, and double the weights' memory.
+                m.packed_weight = None
+                in_place = _panels_may_take_rows(m, PANEL)
+                if in_place:
+                    # Made in the weight's own 4 KiB pages, and moved into huge pages
+                    # (_reorder) now or, deferred, when the caller has time.
+                    m.panel_weight = panels_in_place(w)
+                    if getattr(m, "keeps_weight", False):
+                        # A tied LM head: its embedding reads its rows from the panels
+                        # (layers.embedding), and no 113 MB copy is made (SmolLM2).
+                        m.weight.row_panels = m.panel_weight
+                    if defer_reorders:
+                        deferred.append(m)
+                    else:
+                        _reorder(m)
+                else:
+                    m.panel_weight = panels(w)
+                if in_place or not getattr(m, "keeps_weight", False):
+                    m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+            elif defer_reorders:
                 m.packed_weight = None  # apply_linear uses the plain weight meanwhile
                 deferred.append(m)
             else:
@@ -285,18 +299,18 @@ def _panels_may_take_rows(m: nn.Module, panel: int) -> bool:
 
 
 def _reorder(m: nn.Module) -> None:
-    """Pack ``m``'s float32 weight for oneDNN and let the plain copy go (unless something
-    else reads it)."""
-    weight = m.weight.detach()
-    if not weight.numel():  # its panels took its memory: the rows are made from them
+    """The work ``defer_reorders`` left for ``m``: move the panels made in its weight's
+    memory into huge pages (the one-row GEMV streams through them faster in 2 MiB pages;
+    the weight's pages were 4 KiB ones, as huge ones made the load 0.5 s slower here);
+    without panels, pack its float32 weight for oneDNN and let the plain copy go (unless
+    something else reads it)."""
+    panels = getattr(m, "panel_weight", None)
+    if panels is not None:
         from rvllm.host_memory import collapse_huge_pages
-        from rvllm.kernels.cpu_gemv import rows_of_panels
 
-        weight = rows_of_panels(m.panel_weight)
-        # The weight's pages were 4 KiB ones (huge ones made the load 0.5 s slower
-        # here); the one-row GEMV streams through its panels faster in 2 MiB pages.
-        collapse_huge_pages(m.panel_weight.weight)
-    m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        collapse_huge_pages(panels.weight)
+        return
+    m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
     if not getattr(m, "keeps_weight", False):
         m.weight.data = torch.empty(0, dtype=m.weight.dtype)
 
@@ -307,13 +321,17 @@ def has_pending_reorders(model: nn.Module) -> bool:
 
 
 def reorder_pending(model: nn.Module, limit: int | None = None,
-                    seconds: float | None = None) -> bool:
-    """Do the oneDNN reorders ``prepare_linear_weights(..., defer_reorders=True)`` left:
-    at most ``limit`` of them, and no more once ``seconds`` have passed (at least one
-    either way); all of them when neither is given. Returns whether any are left."""
+                    seconds: float | None = None, gemms_only: bool = False) -> bool:
+    """Do the work ``prepare_linear_weights(..., defer_reorders=True)`` left (``_reorder``):
+    at most ``limit`` layers, and no more once ``seconds`` have passed (at least one
+    either way); all of them when neither is given. With ``gemms_only``, nothing unless
+    the work makes a layer's GEMMs faster (oneDNN's packing, not the panels' huge
+    pages). Returns whether any are left."""
     pending = model.__dict__.get("pending_reorders")
     if not pending:
         return False
+    if gemms_only and getattr(pending[-1], "panel_weight", None) is not None:
+        return True
     start, done = time.perf_counter(), 0
     while pending:
         _reorder(pending.pop())
