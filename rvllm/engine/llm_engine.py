@@ -177,10 +177,13 @@ class LLMEngine:
         self._kv_block_bytes = (self.runner.kv_cache_block_bytes()
                                 if self.device.type == "cpu" and self.tp_group is None else 0)
         self.startup_seconds = time.perf_counter() - start
+        linear = self.model.linear_backend
+        if self.kernel_backend == "numba" and linear in ("onednn", "int8"):
+            linear = f"{'float32' if linear == 'onednn' else 'int8'} panels"  # cpu_linear
         logger.info("engine ready in %.2fs: %s, %s, kernels: %s, linear layers: %s, %d KV "
                     "blocks of %d tokens in %s", self.startup_seconds,
-                    self.model_config.architecture, dtype, self.kernel_backend,
-                    self.model.linear_backend, num_blocks, args.block_size, kv_dtype)
+                    self.model_config.architecture, dtype, self.kernel_backend, linear,
+                    num_blocks, args.block_size, kv_dtype)
 
     @property
     def max_model_len(self) -> int:
