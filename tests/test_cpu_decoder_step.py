@@ -294,9 +294,10 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
     """A GEMV in the one-region step is one first share per thread, then short runs of
-    its last panels (``cpu_decoder_step._item_panels``): together every panel once, in
-    order, the first shares near-equal, whatever the count of panels."""
-    from rvllm.kernels.cpu_decoder_step import TAIL, _item_panels, _items
+    its last panels (``cpu_decoder_step._item_panels``), of two panels at least but the
+    last: together every panel once, in order, the first shares near-equal, whatever the
+    count of panels."""
+    from rvllm.kernels.cpu_decoder_step import PAIR, TAIL, _item_panels, _items
 
     for n in (0, 1, 5, 7, 8, 36, 60, 96, 3072):
         ranges = [_item_panels(n, item, parts) for item in range(_items(n, parts))]
@@ -307,6 +308,7 @@ def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
         assert max(first) - min(first) <= 1
         if parts > 1:
             assert sum(first) == n - n // TAIL
+        assert all(hi - lo >= PAIR for lo, hi in ranges[parts:-1])  # two streams each
 
 
 def test_the_step_trace_script_still_instruments_the_one_region_step() -> None:

@@ -118,8 +118,9 @@ PHASES = 5
 LINE = 64  # bytes of a cache line
 FETCH_BYTES = 64 * 1024
 # A GEMV's last 1 / TAIL of panels goes in items of about 1 / (TAIL * SMALL * threads) of
-# them (``_item_panels``).
-TAIL, SMALL = 8, 4
+# them, and at least PAIR panels (``_item_panels``): one-panel items were read as one
+# stream, slower than two side by side (``cpu_gemv._panels_into``).
+TAIL, SMALL, PAIR = 8, 4, 2
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
@@ -136,7 +137,7 @@ def _tail_panels(n, parts):
     """How many of a GEMV's n panels are left out of the threads' first shares, and the
     panels of each item they are cut into."""
     tail = n // TAIL if parts > 1 else 0
-    return tail, max(1, tail // (SMALL * parts))
+    return tail, max(PAIR, tail // (SMALL * parts))
 
 
 @numba.njit(cache=True, inline="always")

@@ -249,8 +249,11 @@ def _put_panel(out, p, s, rows, b0, sums, scale, bias):
 def _panels_into(x, w, scale, bias, out, lo, hi, sums):
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
     int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
-    share is cut into ``_streams`` runs, read side by side: panel j of each run together
-    (a last few panels one at a time)."""
+    share is cut into ``_streams`` runs, read side by side: panel j of each run together.
+    With one row of x the last few panels go in pairs, two streams side by side (read one
+    at a time, the leftovers of SmolLM2's shares kept its layers' GEMVs at 90-91% of the
+    read; in pairs 93-94%, and the step 1.8-2.8% faster, traced with a runtime switch),
+    with more rows one at a time."""
     batch = x.shape[0]
     streams = _streams(batch)
     run = (hi - lo) // streams
@@ -260,7 +263,14 @@ def _panels_into(x, w, scale, bias, out, lo, hi, sums):
             _group_dots(w, lo + j, run, 2 * run, streams, x, b0, rows, sums)
             for s in range(streams):
                 _put_panel(out, lo + j + s * run, s, rows, b0, sums, scale, bias)
-    for p in range(lo + streams * run, hi):
+    first = lo + streams * run
+    if batch == 1:
+        while first + 2 <= hi:  # panels first and first + 1: the pass's two streams
+            _group_dots(w, first, 1, 2, 2, x, 0, 1, sums)
+            _put_panel(out, first, 0, 1, 0, sums, scale, bias)
+            _put_panel(out, first + 1, 1, 1, 0, sums, scale, bias)
+            first += 2
+    for p in range(first, hi):
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
             _panel_dots(w, p, x, b0, rows, sums)
