@@ -250,10 +250,11 @@ def _panels_into(x, w, scale, bias, out, lo, hi, sums):
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
     int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
     share is cut into ``_streams`` runs, read side by side: panel j of each run together.
-    With one row of x the last few panels go in pairs, two streams side by side (read one
-    at a time, the leftovers of SmolLM2's shares kept its layers' GEMVs at 90-91% of the
-    read; in pairs 93-94%, and the step 1.8-2.8% faster, traced with a runtime switch),
-    with more rows one at a time."""
+    With one row of x the last few panels go in pairs, two streams side by side, with more
+    rows one at a time. (One at a time, one stream, they kept SmolLM2's layer GEMVs in
+    the one-region step at 90-91% of the read; in pairs, and with that step's tail items
+    of two panels or more, 93-94%: the step 1.8-2.8% faster, traced with a runtime
+    switch.)"""
     batch = x.shape[0]
     streams = _streams(batch)
     run = (hi - lo) // streams
