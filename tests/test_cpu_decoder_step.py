@@ -329,3 +329,29 @@ def test_the_step_trace_script_still_instruments_the_one_region_step() -> None:
     assert [region.index(read) for read in reads] == sorted(region.index(r) for r in reads)
     assert "trace[th, layers, 0]" in region and "trace[th, layers, 1]" in region
     assert len(script.SEGMENTS) == len(script.POINTS) - 1
+
+
+NAN_STEP = """
+import sys
+from rvllm import LLM, SamplingParams
+engine = LLM(sys.argv[1], kernel_backend="numba").engine
+engine.add_request("r", {"prompt_token_ids": [5, 6, 7]},
+                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+engine.step()  # the prefill
+engine.model.model.layers[0].self_attn.o_proj.panel_weight.weight[...] = float("nan")
+print(engine.step()[0].outputs[0].token_ids)
+"""
+
+
+def test_a_one_row_step_that_meets_nan_ends(llama_dir: Path) -> None:
+    """A division by zero in the one-region step (NaN activations: a broken weight) gave
+    an exception on one thread while the other waited for its share forever: a hung
+    engine. The region computes in numpy's error model (no exceptions), so the step ends;
+    a row of NaN logits gives token 0, as ``torch.argmax`` does."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NAN_STEP, str(llama_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1].endswith(", 0]")

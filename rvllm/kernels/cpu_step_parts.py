@@ -85,7 +85,7 @@ def _gate_up_silu(x, w, scale, bias, out, parts):
         _gate_up_share(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32))
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _rms_norm(x, weight, eps, out):
     """Each row of x [B, H]."""
     for b in range(x.shape[0]):
