@@ -313,6 +313,8 @@ def _buffers(rows, size, qkv_rows, num_heads, head_dim, inter):
             np.empty((rows, inter), np.float32))
 
 
+# numpy's error model: nothing in the region may raise (a division by zero on NaN
+# activations did), or the thread that raised leaves it and the other waits forever.
 @numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
 def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                 gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
