@@ -431,9 +431,9 @@ class LLMEngine:
         step_outputs = self._execute(sched)
         self._last_step = time.monotonic()
         if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
-            # Deferred packing, under load: a layer a step, on steps that a packed weight
-            # makes faster. Fewer rows multiply the panels as fast; so a first request
-            # with a short prompt does not wait for a layer's packing (30-70 ms).
+            # Deferred oneDNN packing, under load: a layer a step, on steps that a packed
+            # weight makes faster; a first request with a short prompt does not wait for
+            # a layer's packing (30-70 ms). The panels' huge pages wait for idle time.
             reorder_pending(self.model, limit=1, gemms_only=True)
         now = time.time()
         moved: dict[str, Request] = {}

@@ -47,8 +47,8 @@ from torch import nn
 CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
 QUANTIZATIONS = ("int8", "fp16")
 # Steps of more rows than this pack a layer whose oneDNN reorder is pending (under load,
-# ``LLMEngine.step``); fewer leave it to idle time. Up to 32 rows, panels multiplied as
-# fast as packed weights at SmolLM2's shapes (0.9-1.1x the time; 1.3-1.6x at 128-512).
+# ``LLMEngine.step``, ``--kernel-backend torch`` only: the numba kernels need no oneDNN
+# copy); fewer leave it to idle time, so a short first request does not wait for it.
 PENDING_GEMM_MAX_ROWS = 32
 
 
