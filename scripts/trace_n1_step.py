@@ -132,8 +132,8 @@ def instrument(source: str) -> str:
         source, "    if hidden.shape[0] == 1:\n        _one_region(*args)\n",
         "    if hidden.shape[0] == 1:\n        _one_region(*args, np.zeros("
         "(parts, norms1.shape[0] + 1, 16), np.int64))\n")
-    source = _replace_once(source, "head.scale, logits, ids, logprobs, numba.get_num_threads())",
-                           "head.scale, logits, ids, logprobs, numba.get_num_threads(), TRACE)")
+    source = _replace_once(source, "head.scale, logits, ids, logprobs, threads)",
+                           "head.scale, logits, ids, logprobs, threads, TRACE)")
     return _replace_once(source,
                          "np.empty(1, np.int64), np.empty(1, np.float32),\n"
                          "                        numba.get_num_threads())",

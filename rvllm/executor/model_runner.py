@@ -168,29 +168,57 @@ class ModelRunner:
                 for src, dst in zip(host, attn.kv_cache):
                     dst.index_copy_(0, dev, src.index_select(0, cpu).to(self.device))
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        """Run one scheduled step and sample it. A step that the CPU's compiled decode
+        covers (``_compiled_step``) runs outside torch's inference mode: it makes no
+        tensors, and entering and leaving the mode cost about 15 us of a one-row step,
+        on code that the step's weights had pushed out of the caches."""
+        if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
+            outputs = self._compiled_step(sched)
+            if outputs is not None:
+                return outputs
+        return self._execute(sched)
+
+    def _compiled_step(self, sched: SchedulerOutput) -> list[SeqStepOutput] | None:
+        """A step of decodes alone, each sampling its one row, as one compiled CPU call
+        (or ``num_steps`` of them); None where that does not cover the step."""
+        decodes = sched.scheduled
+        if (not decodes or self.tp_group is not None or self.decode_graphs is not None
+                or any(s.num_new_tokens != 1 for s in decodes) or not use_numba()):
+            return None
+        plan = _plan_logits(decodes)
+        if plan.prompt or plan.rows != list(range(len(decodes))):
+            return None
+        if sched.num_steps > 1:
+            outputs = self._run_compiled_steps(decodes, sched.num_steps)
+            if outputs is not None:
+                return outputs
+        compiled = self._run_compiled_decode(decodes)
+        if compiled is None:
+            return None
+        if compiled.greedy is not None:
+            return self._sample(decodes, plan, None, compiled.greedy)
+        with torch.inference_mode():
+            return self._sample(decodes, plan, compiled.logits)
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             self.swap(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+            outputs = self._compiled_step(sched)
+            if outputs is not None:
+                return outputs
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         plan = _plan_logits(ordered)
         graphs = self.decode_graphs
-        # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
+        # Decodes alone, each sampling its one row: the step a graph takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
                            and not plan.prompt and plan.rows == list(range(len(decodes))))
         if decode_only and graphs is not None and len(decodes) <= graphs.max_batch:
             logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
-        if decode_only and use_numba():
-            if sched.num_steps > 1:
-                outputs = self._run_compiled_steps(decodes, sched.num_steps)
-                if outputs is not None:
-                    return outputs
-            compiled = self._run_compiled_decode(decodes)
-            if compiled is not None:
-                return self._sample(ordered, plan, compiled.logits, compiled.greedy)
         input_ids, positions, metadata = self._prepare(decodes, prefills)
         logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
         if self.tp_group is not None:

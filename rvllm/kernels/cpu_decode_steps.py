@@ -87,11 +87,11 @@ def decode_greedy_steps(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np
     caches, head, logits = parts
     ids = np.empty((num_steps, rows), np.int64)
     logprobs = np.empty((num_steps, rows), np.float32)
-    match_torch_threads()
+    threads = match_torch_threads()
     # In the place of the slots, the block size: each step finds its own from the tables.
     args = _layer_args(plan, caches, block_tables, positions, block_size)
-    taken = _greedy_steps(plan.embedding.numpy(), token_ids, *args, head.weight, head.scale,
-                          logits, stops, ids, logprobs, numba.get_num_threads())
+    taken = _greedy_steps(plan.embedding_array, token_ids, *args, head.weight, head.scale,
+                          logits, stops, ids, logprobs, threads)
     return ids[:taken].tolist(), logprobs[:taken].tolist()
 
 

@@ -555,6 +555,9 @@ class DecoderStepPlan:
     def __init__(self, layers: list[nn.Module], attrs: dict[str, Any]) -> None:
         self.layers = layers
         self.__dict__.update(attrs)
+        # The first layer's attention: its cache, looked up every step, is a plain
+        # attribute (not a submodule's, as the layers' path to it is: 3-5 us cold).
+        self._first_attention = layers[0].self_attn.attn
         self._caches: tuple[tuple, tuple[np.ndarray, np.ndarray] | None] | None = None
         self._head: tuple[nn.Module, Panels | None] | None = None
         self._logits: np.ndarray | None = None  # [max_rows, V], reused step after step
@@ -562,13 +565,12 @@ class DecoderStepPlan:
     def caches(self) -> tuple[np.ndarray, np.ndarray] | None:
         """[L, blocks, block_size, Hk, D] keys and values, when every layer's cache is a
         slice of one allocation (``ModelRunner.allocate_kv_cache``); else None. Checked
-        again only when the first layer's cache moves or changes shape."""
-        first = self.layers[0].self_attn.attn.kv_cache
+        again only when the first layer's cache is another (tuple of tensors)."""
+        first = self._first_attention.kv_cache  # a tuple that each allocation makes anew
         if first is None:
             return None
-        key = (first[0].data_ptr(), first[1].data_ptr(), tuple(first[0].shape))
-        if self._caches is None or self._caches[0] != key:
-            self._caches = (key, self._stacked_caches())
+        if self._caches is None or self._caches[0] is not first:
+            self._caches = (first, self._stacked_caches())
         return self._caches[1]
 
     def head(self, lm_head: nn.Module) -> Panels | None:
@@ -674,6 +676,7 @@ def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
         "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
         "inter": inter,
     })
+    attrs["embedding_array"] = attrs["embedding"].numpy()  # the compiled calls' view
     return DecoderStepPlan(layers, attrs)
 
 
@@ -702,12 +705,11 @@ def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.n
     caches = plan.caches()
     if caches is None or token_ids.shape[0] > plan.max_rows:
         return None
-    match_torch_threads()
+    threads = match_torch_threads()
     hidden = embedding_rows(plan.embedding, token_ids).numpy()  # a copy: the residual stream
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, *_layer_args(plan, caches, block_tables, positions, slots),
-                  out.numpy(), *_no_head(plan.like, hidden.shape[1]),
-                  numba.get_num_threads())
+                  out.numpy(), *_no_head(plan.like, hidden.shape[1]), threads)
     return out
 
 
@@ -723,8 +725,14 @@ def _no_head(like: np.ndarray, size: int) -> tuple:
 class DecodeLogits:
     """What ``decode_logits`` returns."""
 
-    logits: torch.Tensor  # [B, V] float32: a view of a buffer the next step writes over
+    array: np.ndarray  # [B, V] float32 logits: a buffer the next step writes over
     greedy: tuple[list[int], list[float]] | None  # each row's argmax and its logprob
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The logits as a tensor (a view of ``array``), made only where a sampler reads
+        them: a greedy step has its tokens already."""
+        return torch.from_numpy(self.array)
 
 
 def logits_call_parts(plan: DecoderStepPlan, lm_head: nn.Module, rows: int
@@ -759,12 +767,11 @@ def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarr
         return None
     caches, head, logits = parts
     ids, logprobs = np.empty(rows if greedy else 0, np.int64), np.empty(rows, np.float32)
-    match_torch_threads()
-    _step_to_logits(plan.embedding.numpy(), token_ids,
+    threads = match_torch_threads()
+    _step_to_logits(plan.embedding_array, token_ids,
                     *_layer_args(plan, caches, block_tables, positions, slots), head.weight,
-                    head.scale, logits, ids, logprobs, numba.get_num_threads())
-    return DecodeLogits(torch.from_numpy(logits),
-                        (ids.tolist(), logprobs.tolist()) if greedy else None)
+                    head.scale, logits, ids, logprobs, threads)
+    return DecodeLogits(logits, (ids.tolist(), logprobs.tolist()) if greedy else None)
 
 
 def weight_types(int8: bool, float32: bool = True) -> tuple[type, ...]:
