@@ -173,37 +173,49 @@ _s4r1 = _stream_pass(1, 4)
 _s2r1, _s2r2, _s2r3, _s2r4 = (_stream_pass(rows, 2) for rows in range(1, ROWS + 1))
 
 
-@intrinsic
-def _halves_pass(typingctx, w, inner, x, half, out, like):
-    """out[s, 0:16] = x . the 16 rows of panel s, for the two panels at w and w + inner
-    (bytes), one row of x (float32, at address x): each panel read as its two halves of
-    ``half`` columns side by side, four streams in all (a panel has 2 * half columns),
-    each half's sums added at the end."""
-    int8 = like.dtype == types.int8
+def _pieces_pass(panels: int):
+    """An intrinsic: out[p, 0:16] = x . the 16 rows of panel p, for ``panels`` (1 or 2)
+    panels at w + p * inner (bytes) and one row of x (float32, at address x), each panel
+    read as 4 / ``panels`` pieces of ``piece`` columns side by side (a panel has that
+    many pieces' columns): four streams in all, each piece's sums added at the end."""
+    pieces = 4 // panels
 
-    def codegen(context, builder, signature, args):
-        w, inner, x, half, out, _ = args
-        zero = ir.Constant(_VEC, [0.0] * LANES)
-        second = builder.mul(half, _int(PANEL * (1 if int8 else 4)))
-        starts = [w, builder.add(w, inner), builder.add(w, second),
-                  builder.add(builder.add(w, inner), second)]
-        x_second = builder.add(x, builder.mul(half, _int(4)))
-        sums = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
-        with cgutils.for_range(builder, half) as loop:
-            i = loop.index
-            xs = [_splat(builder, builder.load(builder.inttoptr(
-                builder.add(base, builder.mul(i, _int(4))), _F32.as_pointer()), align=4))
-                for base in (x, x_second)]
-            for s in range(4):
-                wv = _panel_column(builder, starts[s], i, int8)
-                builder.store(_fma(builder, xs[s // 2], wv, builder.load(sums[s])), sums[s])
-        for p in range(2):
-            total = builder.fadd(builder.load(sums[p]), builder.load(sums[p + 2]), flags=_FAST)
-            builder.store(total, _vector_at(builder, out, _int(p * PANEL)), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def pieces_pass(typingctx, w, inner, x, piece, out, like):
+        int8 = like.dtype == types.int8
 
-    return types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
-                      like), codegen
+        def codegen(context, builder, signature, args):
+            w, inner, x, piece, out, _ = args
+            zero = ir.Constant(_VEC, [0.0] * LANES)
+            piece_bytes = builder.mul(piece, _int(PANEL * (1 if int8 else 4)))
+            streams = [(p, c) for c in range(pieces) for p in range(panels)]
+            starts = [builder.add(builder.add(w, builder.mul(inner, _int(p))),
+                                  builder.mul(piece_bytes, _int(c))) for p, c in streams]
+            x_starts = [builder.add(x, builder.mul(piece, _int(4 * c))) for c in range(pieces)]
+            sums = [cgutils.alloca_once_value(builder, zero) for _ in streams]
+            with cgutils.for_range(builder, piece) as loop:
+                i = loop.index
+                xs = [_splat(builder, builder.load(builder.inttoptr(
+                    builder.add(base, builder.mul(i, _int(4))), _F32.as_pointer()), align=4))
+                    for base in x_starts]
+                for (_, c), start, total in zip(streams, starts, sums):
+                    wv = _panel_column(builder, start, i, int8)
+                    builder.store(_fma(builder, xs[c], wv, builder.load(total)), total)
+            for p in range(panels):
+                total = builder.load(sums[p])
+                for c in range(1, pieces):
+                    total = builder.fadd(total, builder.load(sums[c * panels + p]),
+                                         flags=_FAST)
+                builder.store(total, _vector_at(builder, out, _int(p * PANEL)), align=4)
+            return context.get_dummy_value()
+
+        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
+                          like), codegen
+
+    return pieces_pass
+
+
+_halves_pass, _quarters_pass = _pieces_pass(2), _pieces_pass(1)
 
 
 @numba.njit(cache=True, inline="always")
@@ -284,11 +296,12 @@ def _panels_into(x, w, scale, bias, out, lo, hi, sums):
     int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
     share is cut into ``_streams`` runs, read side by side: panel j of each run together.
     With one row of x the last few panels go in pairs, each panel of a pair read as its
-    two halves (``_halves_pass``: four streams), with more rows one at a time. (One at a
-    time, one stream, they kept SmolLM2's layer GEMVs in the one-region step at 90-91% of
-    the read; in pairs of two streams, and with that step's tail items of two panels or
-    more, 93-94%: the step 1.8-2.8% faster, traced with a runtime switch. The halves took
-    the step 0.35% (SmolLM2) and 0.6% (the random Llama) further, 720 steps of each.)"""
+    two halves (``_halves_pass``: four streams), and a last one as its four quarters; with
+    more rows one at a time. (One at a time, one stream, they kept SmolLM2's layer GEMVs
+    in the one-region step at 90-91% of the read; in pairs of two streams, and with that
+    step's tail items of two panels or more, 93-94%: the step 1.8-2.8% faster, traced
+    with a runtime switch. The halves took the step 0.35% (SmolLM2) and 0.6% (the random
+    Llama) further, the quarters 0.3% (SmolLM2), 720 steps of each.)"""
     batch = x.shape[0]
     streams = _streams(batch)
     run = (hi - lo) // streams
@@ -311,6 +324,11 @@ def _panels_into(x, w, scale, bias, out, lo, hi, sums):
             _put_panel(out, first, 0, 1, 0, sums, scale, bias)
             _put_panel(out, first + 1, 1, 1, 0, sums, scale, bias)
             first += 2
+        if first < hi and k % 4 == 0:  # the last one as its four quarters
+            _quarters_pass(w.ctypes.data + first * size, size, x.ctypes.data, k // 4,
+                           sums.ctypes.data, w)
+            _put_panel(out, first, 0, 1, 0, sums, scale, bias)
+            first += 1
     for p in range(first, hi):
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
