@@ -173,24 +173,28 @@ class ModelRunner:
         covers (``_compiled_step``) runs outside torch's inference mode: it makes no
         tensors, and entering and leaving the mode cost about 15 us of a one-row step,
         on code that the step's weights had pushed out of the caches."""
-        if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-            outputs = self._compiled_step(sched)
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            with torch.inference_mode():
+                self.swap(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        plan = _plan_logits(ordered)
+        # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
+        decode_only = bool(decodes and not prefills and self.tp_group is None
+                           and not plan.prompt and plan.rows == list(range(len(decodes))))
+        if decode_only and self.decode_graphs is None and use_numba():
+            outputs = self._compiled_step(decodes, plan, sched.num_steps)
             if outputs is not None:
                 return outputs
-        return self._execute(sched)
+        return self._execute(sched, decodes, prefills, plan, decode_only)
 
-    def _compiled_step(self, sched: SchedulerOutput) -> list[SeqStepOutput] | None:
+    def _compiled_step(self, decodes: list[ScheduledSeq], plan: _LogitsPlan, num_steps: int
+                       ) -> list[SeqStepOutput] | None:
         """A step of decodes alone, each sampling its one row, as one compiled CPU call
         (or ``num_steps`` of them); None where that does not cover the step."""
-        decodes = sched.scheduled
-        if (not decodes or self.tp_group is not None or self.decode_graphs is not None
-                or any(s.num_new_tokens != 1 for s in decodes) or not use_numba()):
-            return None
-        plan = _plan_logits(decodes)
-        if plan.prompt or plan.rows != list(range(len(decodes))):
-            return None
-        if sched.num_steps > 1:
-            outputs = self._run_compiled_steps(decodes, sched.num_steps)
+        if num_steps > 1:
+            outputs = self._run_compiled_steps(decodes, num_steps)
             if outputs is not None:
                 return outputs
         compiled = self._run_compiled_decode(decodes)
@@ -202,20 +206,13 @@ class ModelRunner:
             return self._sample(decodes, plan, compiled.logits)
 
     @torch.inference_mode()
-    def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
-        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
-            self.swap(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
-            outputs = self._compiled_step(sched)
-            if outputs is not None:
-                return outputs
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+    def _execute(self, sched: SchedulerOutput, decodes: list[ScheduledSeq],
+                 prefills: list[ScheduledSeq], plan: _LogitsPlan, decode_only: bool
+                 ) -> list[SeqStepOutput]:
+        """The step through the model's layers (or a CUDA graph), ``execute``'s split of
+        the scheduled sequences given."""
         ordered = decodes + prefills
-        plan = _plan_logits(ordered)
         graphs = self.decode_graphs
-        # Decodes alone, each sampling its one row: the step a graph takes.
-        decode_only = bool(decodes and not prefills and self.tp_group is None
-                           and not plan.prompt and plan.rows == list(range(len(decodes))))
         if decode_only and graphs is not None and len(decodes) <= graphs.max_batch:
             logits = self._run_decode_graph(decodes)
             return self._sample(ordered, plan, logits.float())
