@@ -74,6 +74,12 @@ def _panel_column(builder: ir.IRBuilder, w: ir.Value, i: ir.Value, int8: bool) -
     return builder.sitofp(raw, _VEC)
 
 
+def _x_splat(builder: ir.IRBuilder, x: ir.Value, i: ir.Value) -> ir.Value:
+    """x[i] (float32, x an address) in every lane of a vector."""
+    at = builder.add(x, builder.mul(i, _int(4)))
+    return _splat(builder, builder.load(builder.inttoptr(at, _F32.as_pointer()), align=4))
+
+
 def _panel_pass(rows: int):
     """An intrinsic: out[b, 0:16] = sum over i < k of x[b, i] * panel[i, 0:16] for the
     ``rows`` rows of x at x + b * x_step (bytes; float32), panel at the address w (the
@@ -95,10 +101,7 @@ def _panel_pass(rows: int):
             def column(i: ir.Value, s: int) -> None:
                 wv = _panel_column(builder, w, i, int8)
                 for b in range(rows):
-                    x_at = builder.add(builder.add(x, builder.mul(_int(b), x_step)),
-                                       builder.mul(i, _int(4)))
-                    xb = _splat(builder, builder.load(builder.inttoptr(
-                        x_at, _F32.as_pointer()), align=4))
+                    xb = _x_splat(builder, builder.add(x, builder.mul(_int(b), x_step)), i)
                     builder.store(_fma(builder, xb, wv, builder.load(sums[b][s])),
                                   sums[b][s])
 
@@ -145,12 +148,8 @@ def _stream_pass(rows: int, streams: int):
                                   builder.mul(outer, _int(s // 2))) for s in range(streams)]
             with cgutils.for_range(builder, k) as loop:
                 i = loop.index
-                xs = []
-                for b in range(rows):
-                    x_at = builder.add(builder.add(x, builder.mul(_int(b), x_step)),
-                                       builder.mul(i, _int(4)))
-                    xs.append(_splat(builder, builder.load(builder.inttoptr(
-                        x_at, _F32.as_pointer()), align=4)))
+                xs = [_x_splat(builder, builder.add(x, builder.mul(_int(b), x_step)), i)
+                      for b in range(rows)]
                 for s in range(streams):
                     wv = _panel_column(builder, starts[s], i, int8)
                     for b in range(rows):
@@ -195,9 +194,7 @@ def _pieces_pass(panels: int):
             sums = [cgutils.alloca_once_value(builder, zero) for _ in streams]
             with cgutils.for_range(builder, piece) as loop:
                 i = loop.index
-                xs = [_splat(builder, builder.load(builder.inttoptr(
-                    builder.add(base, builder.mul(i, _int(4))), _F32.as_pointer()), align=4))
-                    for base in x_starts]
+                xs = [_x_splat(builder, base, i) for base in x_starts]
                 for (_, c), start, total in zip(streams, starts, sums):
                     wv = _panel_column(builder, start, i, int8)
                     builder.store(_fma(builder, xs[c], wv, builder.load(total)), total)
