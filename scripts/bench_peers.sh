@@ -132,7 +132,7 @@ model.save_pretrained(out)
 AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 EOF
   fi
-  [ -f "$MODELS/random-llama/config.json" ] || "$PY" scripts/build_random_llama.py "$MODELS/random-llama"
+  [ -f "$MODELS/random-llama/config.json" ] || "$PY" benchmarks/build_random_llama.py "$MODELS/random-llama"
   local t
   for t in f32 f16 q8_0; do
     [ -f "$MODELS/random-llama-$t.gguf" ] && continue

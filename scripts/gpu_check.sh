@@ -50,10 +50,10 @@ print(torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_nam
 
 run_step kernel_tests 180 "$py" scripts/run_tests.py tests/test_kernels.py \
   tests/test_cuda_graphs.py tests/test_triton_path.py tests/test_memory.py --json "$out_dir/kernel_tests.json"
-run_step kernel_bench 150 "$py" scripts/bench_kernels.py --out "$out_dir/kernel_bench.json"
+run_step kernel_bench 150 "$py" benchmarks/bench_kernels.py --out "$out_dir/kernel_bench.json"
 
 model_dir="$out_dir/qwen2.5-7b-shape"
-"$py" scripts/bench_hf_peer.py --save-config "$model_dir"
+"$py" benchmarks/bench_hf_peer.py --save-config "$model_dir"
 if "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format"; then
   # Flags follow the issue (dummy weights, no tokenizer, graphs on/off); adjust here
   # if `rvllm benchmark` names them differently.
@@ -76,7 +76,7 @@ else
 fi
 
 if [[ "${GPU_CHECK_PEER:-1}" == 1 ]]; then
-  run_step hf_peer 120 "$py" scripts/bench_hf_peer.py --out "$out_dir/hf_peer.json"
+  run_step hf_peer 120 "$py" benchmarks/bench_hf_peer.py --out "$out_dir/hf_peer.json"
 else
   skip_step hf_peer "GPU_CHECK_PEER=0"
 fi

@@ -312,14 +312,14 @@ def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
 
 
 def test_the_step_trace_script_still_instruments_the_one_region_step() -> None:
-    """``scripts/trace_n1_step.py`` reads the cycle counter after lines of
+    """``benchmarks/trace_n1_step.py`` reads the cycle counter after lines of
     ``_one_region`` that it names: when those lines change, the script must fail to
     instrument (and say so) or instrument every point, never trace something else."""
     import importlib.util
 
     root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("trace_n1_step",
-                                                  root / "scripts" / "trace_n1_step.py")
+                                                  root / "benchmarks" / "trace_n1_step.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     traced = script.instrument((root / script.STEP_SOURCE).read_text())

@@ -11,7 +11,7 @@ past N goes through a scratch tile.
 oneDNN's packed float32 GEMM (``torch.ops.mkldnn._linear_pointwise``) ran SmolLM2's four
 projections a layer, 30 layers' weights read from memory, at 40-41 GFLOP/s with 8 rows,
 91-104 with 32 and 133-139 with 128 on this 2-core Zen 2; this kernel, in the same runs,
-60-63, 117-128 and 159-168 (``scripts/bench_int8_gemm.py --float32``). Results are
+60-63, 117-128 and 159-168 (``benchmarks/bench_int8_gemm.py --float32``). Results are
 ``F.linear``'s up to the order of the sums (tested in ``tests/test_cpu_linear.py``).
 """
 

@@ -25,7 +25,7 @@ sums in registers, then scales them to float32 (the panel's 16 weight scales and
 row's own) and stores them. Each thread takes an even share of the panels, each panel
 in its L1 for every 4 rows of a chunk of rows whose activations fit in the L2.
 
-On this Zen 2 (``scripts/bench_int8_gemm.py``: SmolLM2's four projections, 30 layers'
+On this Zen 2 (``benchmarks/bench_int8_gemm.py``: SmolLM2's four projections, 30 layers'
 weights read from memory, GOP/s on 2 threads, fbgemm's in the same run): 8 rows 132
 against 113, 32 rows 167 against 159, 128 rows 180 against 173, 512 rows 178 against 177;
 its LM head (576 x 49152) at 32 rows 177 against 187, at 8 rows 179 against 166. One

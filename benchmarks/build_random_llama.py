@@ -6,7 +6,7 @@ byte-level BPE tokenizer trained here on local Python sources (the standard libr
 nothing comes from a model hub. Writes a Hugging Face directory (config.json, float32
 safetensors, tokenizer files); scripts/bench_peers.sh converts it to GGUF for llama.cpp.
 
-    python scripts/build_random_llama.py OUT_DIR [--seed 0]
+    python benchmarks/build_random_llama.py OUT_DIR [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time each Triton kernel against its plain-torch reference at Qwen2.5-7B shapes.
 
-    python scripts/bench_kernels.py --out results.json            # CUDA, bf16
-    TRITON_INTERPRET=1 python scripts/bench_kernels.py --quick    # tiny shapes, a CPU smoke run
+    python benchmarks/bench_kernels.py --out results.json            # CUDA, bf16
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --quick    # tiny shapes, a CPU smoke run
 
 Besides the reference, attention is timed against the torch paths the engine
 could take instead: the batched gather + SDPA of layers/attention.py for

@@ -2,7 +2,7 @@
 its captured CUDA graph alone (GPU time, CUDA events). The difference is the host's share:
 scheduling, input preparation, sampling and output handling, during which the GPU idles.
 
-    python scripts/profile_decode_step.py --model DIR --load-format dummy \\
+    python benchmarks/profile_decode_step.py --model DIR --load-format dummy \\
         --skip-tokenizer-init --dtype bfloat16 --max-num-seqs 128 --max-model-len 2048 \\
         --sizes 1,32,128 --json out.json
 """

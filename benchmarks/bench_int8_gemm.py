@@ -10,7 +10,7 @@ down 1536 x 576) with random int8 weights, for each row count:
 Each figure is the best of three passes, in GOP/s (two operations a multiply-add), the
 two kernels in turns.
 
-    python scripts/bench_int8_gemm.py [--rows 8,32,128,512] [--float32]
+    python benchmarks/bench_int8_gemm.py [--rows 8,32,128,512] [--float32]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ is the result. The HTTP client is a few lines of raw asyncio on keep-alive
 connections, so that on a small machine it takes as little CPU from the server as
 it can.
 
-    python scripts/bench_serve_vs_engine.py --concurrency 32 --num-requests 128 \
+    python benchmarks/bench_serve_vs_engine.py --concurrency 32 --num-requests 128 \
         --max-tokens 64 --rounds 5 [engine flags, e.g. --model DIR --max-num-seqs 32]
 """
 

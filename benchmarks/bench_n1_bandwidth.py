@@ -22,7 +22,7 @@ round's rate is also set against the reads on either side of it (the fastest kin
 median of each batch of reads, the two batches averaged), and the median of those paired
 shares is printed too.
 
-    python scripts/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
+    python benchmarks/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
         [--num-scheduler-steps 8] [--idle]
 """
 

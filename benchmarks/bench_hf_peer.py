@@ -2,9 +2,9 @@
 weights (bf16, greedy, fixed-length outputs), the baseline the engine benchmark is
 read against.
 
-    python scripts/bench_hf_peer.py --out hf_peer.json
-    python scripts/bench_hf_peer.py --save-config DIR    # write the model's config.json only
-    python scripts/bench_hf_peer.py --quick              # tiny model on CPU (smoke run)
+    python benchmarks/bench_hf_peer.py --out hf_peer.json
+    python benchmarks/bench_hf_peer.py --save-config DIR    # write the model's config.json only
+    python benchmarks/bench_hf_peer.py --quick              # tiny model on CPU (smoke run)
 """
 
 from __future__ import annotations

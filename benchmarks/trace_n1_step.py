@@ -16,7 +16,7 @@ it; here they come apart: the GEMVs against the read of the same minutes, and th
 costs (attention, the tails and waits, the Python around the call) in microseconds.
 Single steps only (the multi-step decode calls the step without the trace).
 
-    python scripts/trace_n1_step.py [--model MODEL] [--steps 120] [--prompt-len 32]
+    python benchmarks/trace_n1_step.py [--model MODEL] [--steps 120] [--prompt-len 32]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ TRACE = np.zeros((64, 257, 16), np.int64)
 def _replace_once(source: str, old: str, new: str) -> str:
     if source.count(old) != 1:
         raise SystemExit(f"{STEP_SOURCE} changed: expected one {old.strip()!r}; update "
-                         f"scripts/trace_n1_step.py to match it")
+                         f"benchmarks/trace_n1_step.py to match it")
     return source.replace(old, new)
 
 
@@ -111,7 +111,7 @@ def instrument(source: str) -> str:
         at = next((i for i in range(at, len(lines)) if lines[i].strip() == after), None)
         if at is None:
             raise SystemExit(f"{STEP_SOURCE} changed: no line {after!r} in _one_region "
-                             f"after the previous point; update scripts/trace_n1_step.py")
+                             f"after the previous point; update benchmarks/trace_n1_step.py")
         lines.insert(at + 1, " " * LAYER_INDENT + f"trace[th, layer, {point}] = _cycles()")
         at += 2
     region = "\n".join(lines)
@@ -154,7 +154,7 @@ def run_traced(ns: argparse.Namespace) -> None:
     import numba
     import numpy as np
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_n1_bandwidth import read_vectors, weight_bytes
 
     import rvllm.kernels.cpu_decoder_step as step
