@@ -1,5 +1,5 @@
-"""int8 GEMMs on the CPU: ``kernels.cpu_int8_gemm`` against fbgemm's, side by side (with
-``--float32``: ``kernels.cpu_f32_gemm`` against oneDNN's packed float32 GEMM).
+"""int8 GEMMs on the CPU: ``kernels.cpu.int8_gemm`` against fbgemm's, side by side (with
+``--float32``: ``kernels.cpu.f32_gemm`` against oneDNN's packed float32 GEMM).
 
 SmolLM2's four projections a layer (QKV 576 x 960, output 576 x 576, gate/up 576 x 3072,
 down 1536 x 576) with random int8 weights, for each row count:
@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
-from rvllm.kernels.cpu_f32_gemm import float32_matmul
-from rvllm.kernels.cpu_gemv import panels
-from rvllm.kernels.cpu_int8_gemm import int8_matmul
+from rvllm.kernels.cpu.f32_gemm import float32_matmul
+from rvllm.kernels.cpu.gemv import panels
+from rvllm.kernels.cpu.int8_gemm import int8_matmul
 from rvllm.layers.cpu_linear import _int8_tensor
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N)
@@ -82,8 +82,8 @@ def main() -> None:
     torch.manual_seed(0)
     stack = [[weights(k, n, ns.float32) for k, n in SHAPES] for _ in range(LAYERS)]
     head = weights(576, 49152, ns.float32)
-    kernels = ((("cpu_f32_gemm", ours_float32), ("oneDNN", onednn)) if ns.float32 else
-               (("cpu_int8_gemm", ours), ("fbgemm", fbgemm)))
+    kernels = ((("numba float32 GEMM", ours_float32), ("oneDNN", onednn)) if ns.float32 else
+               (("numba int8 GEMM", ours), ("fbgemm", fbgemm)))
     layer_ops = 2 * sum(k * n for k, n in SHAPES)
     print("rows | kernel | memory | cache | LM head   (GOP/s)")
     for rows in (int(r) for r in ns.rows.split(",")):

@@ -27,19 +27,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rvllm.kernels import check_kernels  # noqa: E402
-from rvllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from rvllm.kernels.decode_attention import (  # noqa: E402
+from rvllm.kernels.triton import check_kernels  # noqa: E402
+from rvllm.kernels.triton.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from rvllm.kernels.triton.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from rvllm.kernels.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
-from rvllm.kernels.prefill_attention import (  # noqa: E402
+from rvllm.kernels.triton.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
+from rvllm.kernels.triton.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from rvllm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
-from rvllm.kernels.rotary_kv import (  # noqa: E402
+from rvllm.kernels.triton.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from rvllm.kernels.triton.rotary_kv import (  # noqa: E402
     rotary_embedding_with_kv_cache,
     rotary_embedding_with_kv_cache_ref,
 )

@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 
 from rvllm import LLM, SamplingParams
 from rvllm.engine.sequence import Sequence
-from rvllm.kernels.cpu_vectors import _FAST, _VEC, LANES, _int, _vector_at
+from rvllm.kernels.cpu.vectors import _FAST, _VEC, LANES, _int, _vector_at
 
 STREAMS = 4
 
@@ -124,7 +124,7 @@ def read_stream(buf, parts):
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of the weights (and int8 scales) a one-row step reads: every linear layer's
-    panels (``kernels.cpu_gemv``), which is what the one-row kernels read."""
+    panels (``kernels.cpu.gemv``), which is what the one-row kernels read."""
     return sum(module.panel_weight.nbytes for module in llm.engine.model.modules()
                if getattr(module, "panel_weight", None) is not None)
 

@@ -1,7 +1,7 @@
 """Where an N=1 decode step's time goes, phase by phase, beside a read of its weights'
 bytes (issue 6, session 25).
 
-The one-row step runs in one parallel region (``kernels/cpu_decoder_step._one_region``).
+The one-row step runs in one parallel region (``kernels/cpu/decoder_step.py: _one_region``).
 This script copies the package into a scratch folder, has each of the region's threads
 read the cycle counter at the ends of every layer's phases there (``instrument``), and
 runs the copy through the engine (``LLMEngine.step``, one sequence, greedy), with a read
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEP_SOURCE = Path("rvllm/kernels/cpu_decoder_step.py")
+STEP_SOURCE = Path("rvllm/kernels/cpu/decoder_step.py")
 
 # The points each thread reads the cycle counter at, every layer: after the first line of
 # ``_one_region`` past the previous point whose text (stripped) is this, at the layer
@@ -90,7 +90,7 @@ def _replace_once(source: str, old: str, new: str) -> str:
 
 
 def instrument(source: str) -> str:
-    """``cpu_decoder_step``'s source with the trace: ``_one_region`` and
+    """``decoder_step``'s source with the trace: ``_one_region`` and
     ``_step_to_logits`` take an int64 array [threads, layers + 1, 16] last, which
     ``decode_logits`` passes (the module's ``TRACE``); each thread writes its cycle
     counter at ``POINTS`` into its row."""
@@ -157,7 +157,7 @@ def run_traced(ns: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_n1_bandwidth import read_vectors, weight_bytes
 
-    import rvllm.kernels.cpu_decoder_step as step
+    import rvllm.kernels.cpu.decoder_step as step
     from rvllm import LLM, SamplingParams
 
     assert Path(step.__file__).resolve().is_relative_to(Path(ns.copy).resolve())

@@ -259,7 +259,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     # Greedy decode steps one engine step may run in one compiled call (CPU, numba
-    # kernels): the engine's Python once per this many tokens (kernels.cpu_decode_steps).
+    # kernels): the engine's Python once per this many tokens (kernels.cpu.decode_steps).
     num_scheduler_steps: int = 1
     seed: int = 0
     chat_template: str | None = None

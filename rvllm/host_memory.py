@@ -1,5 +1,5 @@
 """Host memory backed by transparent huge pages, for the large arrays the CPU kernels
-stream through: the weight panels of the one-row GEMV (``cpu_gemv.panels``). (The KV
+stream through: the weight panels of the one-row GEMV (``gemv.panels``). (The KV
 cache was, until its first writes were timed: ``executor.kv_cache.empty_cpu_cache``.)
 
 With 4 KiB pages, a read of a weight stream crosses a page every 64 lines: each crossing

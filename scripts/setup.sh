@@ -24,21 +24,21 @@ python -m compileall -q -j 0 rvllm >/dev/null
 # forms compile in a second process meanwhile (numba compiles on one core: 6-7 minutes
 # in one process on a 2-core Zen 3); the last pass loads them all, and compiles again
 # whatever a process's cache index lost to the other's.
-python -c "from rvllm.kernels import warm_up_numba
+python -c "from rvllm.kernels.cpu import warm_up_numba
 warm_up_numba(multi_step=True, float32=False)" &
 int8_forms=$!
 if [ "${1:-}" = "test" ]; then
   # The tests also run the float32 weights over a bfloat16 KV cache (2 minutes to compile).
   python -c "import torch
-from rvllm.kernels import warm_up_numba
+from rvllm.kernels.cpu import warm_up_numba
 warm_up_numba(torch.bfloat16, int8=False)" &
   bf16_cache_forms=$!
 fi
-python -c "from rvllm.kernels import warm_up_numba
+python -c "from rvllm.kernels.cpu import warm_up_numba
 warm_up_numba(int8=False, multi_step=True)"
 wait "$int8_forms"
 [ -z "${bf16_cache_forms:-}" ] || wait "$bf16_cache_forms"
 python -c "import rvllm, torch
-from rvllm.kernels import warm_up_numba
+from rvllm.kernels.cpu import warm_up_numba
 warm_up_numba(multi_step=True)
 print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"

@@ -1,6 +1,6 @@
 """The decode steps in numba against the torch layers they replace and against
-transformers: the one-call step of a few rows (kernels/cpu_decoder_step.py) and the
-batch step of more (kernels/cpu_batch_step.py); float32 and int8 weights, GQA, Qwen2's
+transformers: the one-call step of a few rows (kernels/cpu/decoder_step.py) and the
+batch step of more (kernels/cpu/batch_step.py); float32 and int8 weights, GQA, Qwen2's
 biases, Mistral's sliding window, and the models they must leave to the layers."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from rvllm import LLM, SamplingParams
 
 
 def build_plan(decoder):  # noqa: ANN001, ANN201
-    from rvllm.kernels.cpu_decoder_step import build_plan
-
-    return build_plan(decoder)
+    """The decoder's compiled-step plan, made afresh (None where the kernels do not
+    compute its stack)."""
+    decoder.__dict__.pop("_decoder_step_plan", None)
+    return decoder.step_plan()
 
 PROMPTS = [[5, 6, 7], [11, 3, 99, 42, 8, 17, 250, 31, 64, 2, 77, 19, 5, 5, 300, 12, 40, 41]]
 NEW_TOKENS = 40  # past Mistral's 24-token window in the test models
@@ -167,8 +168,8 @@ def test_head_greedy_merges_the_threads_shares_as_one_argmax(parts: int) -> None
     its log-softmax."""
     import numpy as np
 
-    from rvllm.kernels.cpu_gemv import panels
-    from rvllm.kernels.cpu_step_parts import _head_greedy
+    from rvllm.kernels.cpu.gemv import panels
+    from rvllm.kernels.cpu.step_parts import _head_greedy
 
     gen = torch.Generator().manual_seed(parts)
     for vocab in (5, 40, 100):
@@ -199,17 +200,17 @@ def test_batch_step_matches_transformers_and_the_layers(model_dirs: dict[str, Pa
     decoder = llm.engine.model.model
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     calls = []
-    from rvllm.kernels import cpu_batch_step
+    from rvllm.models import cpu_step
 
     def counted(*args):  # noqa: ANN002, ANN202
         calls.append(args[1].shape[0])
         return batch_step(*args)
 
-    batch_step, cpu_batch_step.batch_step = cpu_batch_step.batch_step, counted
+    batch_step, cpu_step.batch_step = cpu_step.batch_step, counted
     try:
         outs = llm.generate(BATCH, params)
     finally:
-        cpu_batch_step.batch_step = batch_step
+        cpu_step.batch_step = batch_step
     # It ran the prompts' prefill (all their tokens) and decode steps of every row.
     assert sum(map(len, BATCH)) in calls and len(BATCH) in calls
     want = hf_greedy(model_dirs[arch], BATCH, NEW_TOKENS)
@@ -258,13 +259,13 @@ def test_other_shapes_keep_the_layers(model_dirs: dict[str, Path]) -> None:
 def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: Path,
                                                                      parts: int) -> None:
     """The compiled step runs in one parallel region whose work items are claimed by
-    whichever thread is free (``kernels/cpu_sync.py``). With one region iteration, or
+    whichever thread is free (``kernels/cpu/sync.py``). With one region iteration, or
     more than numba has threads (some then run one after another on a thread), it ends,
     and gives the logits and greedy tokens of numba's own count; three rows and one."""
     import numba
     import numpy as np
 
-    from rvllm.kernels import cpu_decoder_step as step
+    from rvllm.kernels.cpu import decoder_step as step
 
     llm = LLM(str(llama_dir), kernel_backend="numba", block_size=8)
     model = llm.engine.model
@@ -278,8 +279,8 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
             logits = np.empty((len(rows), head.rows), np.float32)
             tokens, logprobs = np.empty(len(rows), np.int64), np.empty(len(rows), np.float32)
             step._step_to_logits(
-                plan.embedding.numpy(), ids[rows].numpy(),
-                *step._layer_args(plan, plan.caches(), md.decode_block_tables.numpy(),
+                plan.arrays.embedding.numpy(), ids[rows].numpy(),
+                *step._layer_args(plan.arrays, plan.caches(), md.decode_block_tables.numpy(),
                                   positions[rows].numpy(), md.slot_mapping.numpy()),
                 head.weight, head.scale, logits, tokens, logprobs, count)
             return logits, tokens.tolist(), logprobs
@@ -294,10 +295,10 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 def test_a_gemvs_work_items_cover_its_panels_once_in_order(parts: int) -> None:
     """A GEMV in the one-region step is one first share per thread, then short runs of
-    its last panels (``cpu_decoder_step._item_panels``), of two panels at least but the
+    its last panels (``decoder_step._item_panels``), of two panels at least but the
     last: together every panel once, in order, the first shares near-equal, whatever the
     count of panels."""
-    from rvllm.kernels.cpu_decoder_step import PAIR, TAIL, _item_panels, _items
+    from rvllm.kernels.cpu.decoder_step import PAIR, TAIL, _item_panels, _items
 
     for n in (0, 1, 5, 7, 8, 36, 60, 96, 3072):
         ranges = [_item_panels(n, item, parts) for item in range(_items(n, parts))]

@@ -127,7 +127,7 @@ def test_numba_rows_read_the_panels_and_equal_f_linear(kernel_backend) -> None:
     expected = {rows: block.references(x, h, lambda w: w.clone())
                 for rows, (x, h) in inputs_by_rows.items()}
     assert prepare_linear_weights(block, "auto") == "onednn"
-    # One row: the GEMV; more: cpu_f32_gemm; both over the same panels.
+    # One row: the GEMV; more: f32_gemm; both over the same panels.
     assert block.col.panel_weight.weight.shape == (2, 48, 16)
     for rows, (x, h) in inputs_by_rows.items():
         for got, want in zip(block.outputs(x, h), expected[rows]):
@@ -150,7 +150,7 @@ def test_numba_one_row_int8_gemv_is_f_linear_on_the_dequantized_weight(kernel_ba
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
 def test_numba_int8_rows_are_f_linear_on_the_dequantized_weight(rows: int,
                                                                 kernel_backend) -> None:
-    # Past one row, kernels.cpu_int8_gemm: each row quantized to 16-bit levels, within
+    # Past one row, kernels.cpu.int8_gemm: each row quantized to 16-bit levels, within
     # 1e-4 of the float32 product (fbgemm's 7-bit rows: 1-2e-2); no fbgemm copy is made.
     block = Block()
     x, h = inputs(rows)
@@ -182,8 +182,8 @@ def test_int8_matmul_equals_f_linear_on_the_dequantized_weight(rows: int, k: int
                                                                n: int) -> None:
     # Rows past a multiple of 4 and outputs past a multiple of 16 go through the edge
     # tile; K = 1536 quantizes to 11,008 levels.
-    from rvllm.kernels.cpu_gemv import panels
-    from rvllm.kernels.cpu_int8_gemm import int8_matmul, levels
+    from rvllm.kernels.cpu.gemv import panels
+    from rvllm.kernels.cpu.int8_gemm import int8_matmul, levels
 
     gen = torch.Generator().manual_seed(k)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))
@@ -202,8 +202,8 @@ def test_int8_matmul_equals_f_linear_on_the_dequantized_weight(rows: int, k: int
 def test_float32_matmul_over_panels_equals_f_linear(rows: int, k: int, n: int) -> None:
     # Six rows a tile, then pairs, an odd last row as a pair of itself; outputs past a
     # multiple of 16 through the scratch tile; 251 rows: chunks of 84 (K = 576).
-    from rvllm.kernels.cpu_f32_gemm import float32_matmul
-    from rvllm.kernels.cpu_gemv import panels
+    from rvllm.kernels.cpu.f32_gemm import float32_matmul
+    from rvllm.kernels.cpu.gemv import panels
 
     gen = torch.Generator().manual_seed(rows)
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
@@ -212,8 +212,8 @@ def test_float32_matmul_over_panels_equals_f_linear(rows: int, k: int, n: int) -
 
 
 def test_int8_matmul_sums_do_not_overflow_at_the_largest_levels() -> None:
-    from rvllm.kernels.cpu_gemv import panels
-    from rvllm.kernels.cpu_int8_gemm import int8_matmul
+    from rvllm.kernels.cpu.gemv import panels
+    from rvllm.kernels.cpu.int8_gemm import int8_matmul
 
     k = 1536  # every product at its largest: k * 11,008 * 127 is just under 2^31
     q = torch.full((16, k), 127, dtype=torch.int8)
@@ -230,7 +230,7 @@ def test_int8_quantization_is_per_output_row_and_symmetric() -> None:
 
 
 def test_numba_int8_quantization_is_bit_identical_to_torch() -> None:
-    from rvllm.kernels.cpu_quantize import quantize_int8 as numba_quantize_int8
+    from rvllm.kernels.cpu.quantize import quantize_int8 as numba_quantize_int8
 
     torch.manual_seed(0)
     # Rows from 1e-12 to 1e3 in scale (the smallest hit the 1e-10 scale floor), a zero row,
@@ -296,7 +296,7 @@ def test_deferred_reorders_compute_the_same_before_during_and_after(rows: int) -
 
 
 def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -> None:
-    from rvllm.kernels.cpu_gemv import panels, panels_in_place
+    from rvllm.kernels.cpu.gemv import panels, panels_in_place
 
     for rows, cols in ((16, 5), (48, 577), (4096, 64)):  # one chunk, several, a short last
         weight = torch.randn(rows, cols)
@@ -312,7 +312,7 @@ def test_panels_made_in_place_equal_the_copied_panels_and_give_the_rows_back() -
 
 
 def test_embedding_rows_come_from_panels_or_rows_alike() -> None:
-    from rvllm.kernels.cpu_gemv import embedding_rows, embedding_table, panels_in_place
+    from rvllm.kernels.cpu.gemv import embedding_rows, embedding_table, panels_in_place
 
     weight = torch.randn(64, 7)
     ids = torch.tensor([[0, 17, 63], [5, 5, 48]])
@@ -413,7 +413,7 @@ def smollm2_logprobs() -> dict[str, tuple[float, list[float]]]:
 def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
     """The stated tolerances: oneDNN float32 and fp16 weights score the text like plain
     float32 (perplexity within 0.1% and 1%); int8 weights within 1% (their activations
-    quantized to 16 bits by kernels.cpu_int8_gemm: 35.03 against 35.04; fbgemm's 7-bit
+    quantized to 16 bits by kernels.cpu.int8_gemm: 35.03 against 35.04; fbgemm's 7-bit
     activations, without numba, gave 39.2)."""
     ref_ppl, ref = smollm2_logprobs["torch"]
     limits = {"onednn": (1.001, 1e-3), "fp16": (1.01, 0.05), "int8": (1.01, None)}
@@ -429,13 +429,13 @@ def test_smollm2_accuracy_of_each_linear_path(smollm2_logprobs) -> None:
 @pytest.mark.parametrize("int8", [False, True])
 def test_panel_gemv_kernels_equal_their_torch_reference(parts: int, rows: int,
                                                         int8: bool) -> None:
-    """The GEMV (``cpu_gemv._matvec``) and the fused gate/up/SiLU
-    (``cpu_step_parts._gate_up_silu``) read the weight in panels of 16 rows, shared out
+    """The GEMV (``gemv._matvec``) and the fused gate/up/SiLU
+    (``step_parts._gate_up_silu``) read the weight in panels of 16 rows, shared out
     among the threads, up to four rows of x a pass: every split of the panels, weights
     whose last panel is partly padding, odd column counts and more rows of x than a pass
     takes must give F.linear's numbers, with and without scales and biases."""
-    from rvllm.kernels.cpu_gemv import _matvec, panels
-    from rvllm.kernels.cpu_step_parts import _gate_up_silu
+    from rvllm.kernels.cpu.gemv import _matvec, panels
+    from rvllm.kernels.cpu.step_parts import _gate_up_silu
 
     gen = torch.Generator().manual_seed(parts * 10 + rows)
     empty = torch.empty(0).numpy()

@@ -13,7 +13,7 @@ import pytest
 
 
 def exp_all(x: np.ndarray) -> np.ndarray:
-    from rvllm.kernels.cpu_math import exp32
+    from rvllm.kernels.cpu.numerics import exp32
 
     @numba.njit(fastmath=True)
     def run(x, out):  # noqa: ANN001, ANN202
@@ -39,7 +39,7 @@ def test_exp32_clamps_instead_of_overflowing():
 
 
 def test_fetch_rows_is_only_a_hint():
-    from rvllm.kernels.cpu_math import fetch_rows
+    from rvllm.kernels.cpu.numerics import fetch_rows
 
     @numba.njit
     def fetch_all(x):  # noqa: ANN001, ANN202
@@ -54,15 +54,15 @@ def test_fetch_rows_is_only_a_hint():
         assert "prefetch" in next(iter(fetch_all.inspect_asm().values()))
 
 
-@pytest.mark.parametrize("module", ["cpu_batch_step", "cpu_decode_attention",
-                                    "cpu_decoder_step", "cpu_dequant", "cpu_gemv",
-                                    "cpu_greedy", "cpu_math", "cpu_quantize", "cpu_vectors"])
+@pytest.mark.parametrize("module", ["batch_step", "decode_attention", "decoder_step",
+                                    "dequant", "gemv", "greedy", "numerics", "quantize",
+                                    "vectors"])
 def test_every_cached_kernel_is_checked_against_all_kernel_sources(module):
     """A kernel inlining another module's function must be recompiled when that module
     changes: numba's own check looks at the kernel's file alone."""
-    from rvllm.kernels import numba_cache
+    from rvllm.kernels.cpu import numba_cache
 
-    mod = importlib.import_module(f"rvllm.kernels.{module}")
+    mod = importlib.import_module(f"rvllm.kernels.cpu.{module}")
     cached = [f for f in vars(mod).values()
               if isinstance(f, numba.core.registry.CPUDispatcher) and f._cache._enabled
               and f.py_func.__module__ == mod.__name__]
@@ -72,7 +72,7 @@ def test_every_cached_kernel_is_checked_against_all_kernel_sources(module):
 
 
 def test_functions_outside_the_kernels_keep_numbas_own_stamp():
-    from rvllm.kernels import numba_cache  # noqa: F401 - installs the kernels' locators
+    from rvllm.kernels.cpu import numba_cache  # noqa: F401 - installs the kernels' locators
 
     @numba.njit(cache=True)
     def elsewhere(x):  # noqa: ANN001, ANN202
@@ -84,7 +84,7 @@ def test_functions_outside_the_kernels_keep_numbas_own_stamp():
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 31, 64])
 def test_row_max_is_numpys_max(n):
-    from rvllm.kernels.cpu_math import row_max
+    from rvllm.kernels.cpu.numerics import row_max
 
     row = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     assert row_max(row) == (row.max() if n else -np.inf)

@@ -1,4 +1,4 @@
-"""Work claimed in phases inside one parallel region (kernels/cpu_sync.py): every item of
+"""Work claimed in phases inside one parallel region (kernels/cpu/sync.py): every item of
 a phase is done once, its tail once after all of them and before any item of the next
 phase, however many iterations the region has on however many threads."""
 
@@ -16,7 +16,7 @@ import pytest
 def _phased_region():  # noqa: ANN202
     import numba
 
-    from rvllm.kernels.cpu_sync import claim, finish, phases, publish, wait
+    from rvllm.kernels.cpu.sync import claim, finish, phases, publish, wait
 
     @numba.njit(parallel=True)
     def run(items, iterations, done_count, tails):

@@ -1,4 +1,4 @@
-"""cpu_vectors' run_scores and run_values against numpy in float64, over every run length
+"""vectors' run_scores and run_values against numpy in float64, over every run length
 from 1 to 16, for float32 and bfloat16 rows, and what they must not touch."""
 
 from functools import cache
@@ -27,7 +27,7 @@ def cache_rows(dtype: str, gen: np.random.Generator) -> tuple[np.ndarray, np.nda
 def _callers() -> tuple:
     """Compiled callers of run_scores and run_values, made once (a caller made per call
     would be compiled again each time: 32 compiles a test)."""
-    from rvllm.kernels.cpu_vectors import run_scores, run_values
+    from rvllm.kernels.cpu.vectors import run_scores, run_values
 
     @numba.njit
     def scores(q, keys, n, out, ahead):  # noqa: ANN001, ANN202
@@ -54,7 +54,7 @@ def run_values(p, values, n, acc, ahead):  # noqa: ANN001, ANN201
 
 
 # Groups of 1 to 4 query heads a KV head take their own loops over bfloat16 rows
-# (cpu_vectors.GROUPS), 5 the general ones.
+# (vectors.GROUPS), 5 the general ones.
 @pytest.mark.parametrize("group", [1, GROUP, 5])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_run_scores_are_each_token_dot_each_query_head_and_write_n_lanes(dtype: str,
@@ -94,7 +94,7 @@ def test_run_values_add_the_weighted_rows_of_the_run_alone(dtype: str, group: in
 
 
 def test_head_dims_that_are_not_multiples_of_16_keep_the_plain_loops():
-    from rvllm.kernels.cpu_vectors import supports
+    from rvllm.kernels.cpu.vectors import supports
 
     assert [d for d in (8, 16, 20, 64, 80, 96, 128, 256) if supports(d)] == [16, 64, 80, 96,
                                                                              128, 256]

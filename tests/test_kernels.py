@@ -18,31 +18,31 @@ import torch
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu":
     # triton.jit reads this when a kernel is defined, so it must precede every kernel import.
-    if any(name.startswith("rvllm.kernels.") for name in sys.modules):
-        raise RuntimeError("rvllm.kernels was imported before TRITON_INTERPRET=1 was set; "
+    if any(name.startswith("rvllm.kernels.triton.") for name in sys.modules):
+        raise RuntimeError("rvllm.kernels.triton was imported before TRITON_INTERPRET=1 was set; "
                            "set it in tests/conftest.py or import the kernels lazily.")
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from rvllm import kernels  # noqa: E402
-from rvllm.kernels import KERNEL_NAMES, check, check_kernels  # noqa: E402
-from rvllm.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from rvllm.kernels.decode_attention import (  # noqa: E402
+from rvllm.kernels import triton as kernels  # noqa: E402
+from rvllm.kernels.triton import KERNEL_NAMES, check, check_kernels  # noqa: E402
+from rvllm.kernels.triton.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from rvllm.kernels.triton.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from rvllm.kernels.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
-from rvllm.kernels.prefill_attention import (  # noqa: E402
+from rvllm.kernels.triton.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
+from rvllm.kernels.triton.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from rvllm.kernels.rms_norm import (  # noqa: E402
+from rvllm.kernels.triton.rms_norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     rms_norm,
     rms_norm_ref,
 )
-from rvllm.kernels.rotary_kv import (  # noqa: E402
+from rvllm.kernels.triton.rotary_kv import (  # noqa: E402
     rotary_embedding_with_kv_cache,
     rotary_embedding_with_kv_cache_ref,
 )
@@ -230,7 +230,7 @@ def test_decode_attention_with_gqa_group_of_seven_and_small_blocks() -> None:
 
 
 def test_decode_attention_auto_partitions_by_batch() -> None:
-    from rvllm.kernels.decode_attention import auto_partition_size
+    from rvllm.kernels.triton.decode_attention import auto_partition_size
 
     assert auto_partition_size(1, 4) == 128  # one 7B sequence: cut its context finer
     assert auto_partition_size(128, 4) == 512

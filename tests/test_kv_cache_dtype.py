@@ -40,7 +40,7 @@ def _bits_of_every_kind() -> torch.Tensor:
 
 
 def test_numba_rounding_to_bfloat16_is_torchs() -> None:
-    from rvllm.kernels.cpu_math import kv_array, narrow_kv, widen_kv
+    from rvllm.kernels.cpu.numerics import kv_array, narrow_kv, widen_kv
 
     @numba.njit(fastmath=True)
     def narrow(x, out):  # noqa: ANN001, ANN202
@@ -93,7 +93,7 @@ def test_every_cpu_path_agrees_over_a_bfloat16_cache(llama_dir: Path,
     with a prefix-cache hit on the second pass) against plain torch over the same cache;
     each rounds the new keys and values to bfloat16 the same way and computes in
     float32, so only summation order differs."""
-    from rvllm.kernels import cpu_batch_step, cpu_decoder_step
+    from rvllm.models import cpu_step
 
     runs = {}
     for backend in ("numba", "torch"):
@@ -103,14 +103,14 @@ def test_every_cpu_path_agrees_over_a_bfloat16_cache(llama_dir: Path,
                    for c in a.kv_cache)
         calls: list[str] = []
         # A decode step of a few rows runs as decode_logits (the runner's compiled decode).
-        step, batch = cpu_decoder_step.decode_logits, cpu_batch_step.batch_step
-        cpu_decoder_step.decode_logits = _counted(step, "step", calls)
-        cpu_batch_step.batch_step = _counted(batch, "batch", calls)
+        step, batch = cpu_step.decode_logits, cpu_step.batch_step
+        cpu_step.decode_logits = _counted(step, "step", calls)
+        cpu_step.batch_step = _counted(batch, "batch", calls)
         try:
             runs[backend] = (_generate(llm, PROMPTS, one_at_a_time=True) if one_at_a_time
                              else _batch_twice(llm))
         finally:
-            cpu_decoder_step.decode_logits, cpu_batch_step.batch_step = step, batch
+            cpu_step.decode_logits, cpu_step.batch_step = step, batch
         if backend == "numba":
             assert ("step" if one_at_a_time else "batch") in calls
         else:

@@ -106,7 +106,7 @@ def test_numba_decode_attention_matches_each_sequence_written_out(
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
 def test_numba_decode_attention_on_16_lane_vectors_matches_each_sequence_written_out(
         window: int | None, cap: float | None, block_size: int, kernel_backend: str) -> None:
-    # Head dimensions that are multiples of 16 take cpu_vectors: runs of 1-16 tokens, and
+    # Head dimensions that are multiples of 16 take vectors: runs of 1-16 tokens, and
     # blocks of more than 16 tokens in several runs.
     check_decode_attention([3, 17, 9, 1, 70, 33], window, cap, head_dim=32,
                            block_size=block_size)
@@ -120,7 +120,7 @@ def test_numba_decode_attention_at_any_split_count_matches_each_sequence_written
     # sequences are merged on the calling thread, more in a parallel loop.
     import numpy as np
 
-    from rvllm.kernels.cpu_decode_attention import MERGE_HERE, paged_decode_attention_cpu
+    from rvllm.kernels.cpu.decode_attention import MERGE_HERE, paged_decode_attention_cpu
 
     assert 3 <= MERGE_HERE < 6  # the cases take both ways
     gen = torch.Generator().manual_seed(2)
@@ -147,7 +147,7 @@ def test_numba_decode_attention_shares_items_out_once_each_and_evenly(
     # one item's work (the longest items are handed out first).
     import numpy as np
 
-    from rvllm.kernels.cpu_decode_attention import ITEM_OVERHEAD, _share_out, split_range
+    from rvllm.kernels.cpu.decode_attention import ITEM_OVERHEAD, _share_out, split_range
 
     lens = np.array([700, 33, 512, 1, 90, 90, 256, 17, 400, 64, 5], np.int64)
     order, starts = _share_out(lens, np.int64(0), np.int64(16), np.int64(num_splits),
@@ -190,7 +190,7 @@ def test_numba_kernels_take_as_many_threads_as_torch(kernel_backend: str) -> Non
     # A tensor-parallel rank or a data-parallel replica gets a share of the cores.
     import numba
 
-    from rvllm.kernels import match_torch_threads
+    from rvllm.kernels.cpu.threads import match_torch_threads
 
     before = torch.get_num_threads()
     try:
@@ -226,7 +226,7 @@ def test_prefill_attention_matches_each_query_written_out(
         window: int | None, cap: float | None, context_len: int, n: int, head_dim: int,
         kernel_backend: str) -> None:
     # Under numba, head dimensions that are multiples of 16 without a soft cap take
-    # cpu_prefill_attention; the rest, and the torch backend, SDPA.
+    # prefill_attention; the rest, and the torch backend, SDPA.
     gen = torch.Generator().manual_seed(3)
     md, slots = prefill_step(context_len, n)
     d = head_dim
@@ -256,7 +256,7 @@ def test_numba_prefill_attention_over_many_tiles_matches_sdpa(
     # positions, the last one partial, against tiles of 16 keys, the window starting
     # inside one.
     from rvllm.forward_context import PrefillSeq
-    from rvllm.kernels.cpu_prefill_attention import prefill_attention_cpu
+    from rvllm.kernels.cpu.prefill_attention import prefill_attention_cpu
 
     gen = torch.Generator().manual_seed(4)
     total = context_len + n

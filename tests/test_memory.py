@@ -58,9 +58,9 @@ def test_the_cpu_cache_is_an_uninitialised_tensor_of_its_shape() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 def test_weight_panels_ask_for_huge_pages() -> None:
-    """The one-row GEMV streams its panels (``kernels.cpu_gemv``): they sit in huge pages
+    """The one-row GEMV streams its panels (``kernels.cpu.gemv``): they sit in huge pages
     too, and hold the weight's numbers."""
-    from rvllm.kernels.cpu_gemv import PANEL, panels
+    from rvllm.kernels.cpu.gemv import PANEL, panels
 
     weight = torch.randn(1024, 1024)  # 4 MiB of panels
     copy = panels(weight)

@@ -48,7 +48,7 @@ def test_greedy_equals_argmax_of_logits() -> None:
 
 @pytest.mark.parametrize("kernel_backend", ["numba"], indirect=True)
 def test_numba_greedy_matches_argmax_and_log_softmax(kernel_backend: str) -> None:
-    """The CPU's one-kernel greedy path (kernels/cpu_greedy.py) against torch: the first
+    """The CPU's one-kernel greedy path (kernels/cpu/greedy.py) against torch: the first
     index of a tied max, as torch.argmax, and the log-softmax of the chosen token."""
     logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(5)) * 4
     logits[1, 7] = logits[1, 2900] = logits[1].max() + 1  # a tie: the first wins

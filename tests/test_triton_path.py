@@ -12,9 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     # triton.jit reads this when a kernel module is imported, which the engine does lazily.
-    if any(name.startswith("rvllm.kernels.") for name in sys.modules) and \
+    if any(name.startswith("rvllm.kernels.triton.") for name in sys.modules) and \
             os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("rvllm.kernels was imported before TRITON_INTERPRET=1 was set.")
+        raise RuntimeError("rvllm.kernels.triton was imported before TRITON_INTERPRET=1 was set.")
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 

@@ -584,7 +584,7 @@ class _Warming(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        from rvllm.kernels import warm_up_numba
+        from rvllm.kernels.cpu import warm_up_numba
 
         start = time.perf_counter()
         try:
@@ -614,7 +614,7 @@ def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
     # Only the forms this engine runs: each one loaded is start-up time.
     warming = _Warming(kv_dtype, int8, multi_step) if backend == "numba" else None
     if backend == "triton":
-        from rvllm.kernels import check_kernels
+        from rvllm.kernels.triton import check_kernels
 
         start = time.perf_counter()
         checked = check_kernels(device, dtype)

@@ -24,7 +24,7 @@ from rvllm.layers.backend import use_numba, use_triton
 from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, plain_greedy
 
 if TYPE_CHECKING:
-    from rvllm.kernels.cpu_decoder_step import DecodeLogits
+    from rvllm.kernels.cpu.decoder_step import DecodeLogits
 
 
 @dataclass(slots=True)
@@ -65,7 +65,7 @@ class ModelRunner:
         if len(shapes) == 1 and all(getattr(a, "cache_entry_shapes", None) is None
                                     for a in layers):
             # Every layer alike: one allocation for all keys and one for all values, each
-            # layer a slice, so a whole-stack kernel (kernels.cpu_decoder_step) can
+            # layer a slice, so a whole-stack kernel (kernels.cpu.decoder_step) can
             # take the caches as one array.
             shape = (len(layers), num_blocks, self.block_size, *shapes.pop())
             keys, values = self._cache_tensor(shape, dtype), self._cache_tensor(shape, dtype)

@@ -170,7 +170,7 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     kv_dtype = resolve_kv_cache_dtype(engine_args.kv_cache_dtype, dtype, device)
     backend = resolve_kernel_backend(engine_args.kernel_backend, device, dtype)
     if backend == "numba":
-        from rvllm.kernels import warm_up_numba
+        from rvllm.kernels.cpu import warm_up_numba
 
         warm_up_numba(kv_dtype, engine_args.quantization == "int8")
     set_kernel_backend(backend)

@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton():
-            from rvllm.kernels.activation import silu_and_mul
+            from rvllm.kernels.triton.activation import silu_and_mul
 
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

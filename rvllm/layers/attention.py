@@ -16,8 +16,8 @@ hands its rotary embedding over, is one fused kernel, and attention reads the pa
 cache directly (paged decode with split-KV, paged prefill); soft-capped layers keep
 the torch path, which the kernels do not cover. With the numba backend (the CPU in
 float32) decode attention reads the paged cache directly too
-(``kernels.cpu_decode_attention``), soft caps included; ``_decode``'s torch code below is
-its reference. Prefill chunks take ``kernels.cpu_prefill_attention`` there, soft caps
+(``kernels.cpu.decode_attention``), soft caps included; ``_decode``'s torch code below is
+its reference. Prefill chunks take ``kernels.cpu.prefill_attention`` there, soft caps
 excepted, with ``_prefill`` (SDPA) as its reference.
 """
 
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         own rows. Through the numba kernel where it applies (``use_numba``), else SDPA
         with p's mask (the kernel's reference)."""
         if use_numba():
-            from rvllm.kernels import cpu_prefill_attention as kernel
+            from rvllm.kernels.cpu import prefill_attention as kernel
 
             if kernel.supported(self.head_dim, q.dtype, self.logits_soft_cap):
                 out = kernel.prefill_attention_cpu(q, keys, values, p.context_len, self.scale,
@@ -105,9 +105,9 @@ class Attention(nn.Module):
     def _forward_triton(self, ctx: AttentionMetadata, q: torch.Tensor, k: torch.Tensor | None,
                         v: torch.Tensor | None, positions: torch.Tensor | None,
                         rotary: nn.Module | None) -> torch.Tensor:
-        from rvllm.kernels.decode_attention import paged_decode_attention
-        from rvllm.kernels.prefill_attention import paged_prefill_attention
-        from rvllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
+        from rvllm.kernels.triton.decode_attention import paged_decode_attention
+        from rvllm.kernels.triton.prefill_attention import paged_prefill_attention
+        from rvllm.kernels.triton.rotary_kv import rotary_embedding_with_kv_cache
 
         key_cache, value_cache = self.kv_cache  # type: ignore[misc]
         if k is not None and v is not None:
@@ -135,7 +135,7 @@ class Attention(nn.Module):
                 value_flat: torch.Tensor) -> torch.Tensor:
         """q: [B, Hq, D], one new token per sequence, against each one's whole context."""
         if use_numba():
-            from rvllm.kernels import cpu_decode_attention as kernel
+            from rvllm.kernels.cpu import decode_attention as kernel
 
             assert self.kv_cache is not None and ctx.decode_block_tables is not None
             assert ctx.decode_seq_lens is not None

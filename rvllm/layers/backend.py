@@ -75,8 +75,3 @@ def use_triton() -> bool:
 def use_numba() -> bool:
     return _STATE["backend"] == "numba"
 
-
-# With numba, decode steps of at most this many sequences (fewer with int8 weights) may
-# run as one compiled call through the whole stack (kernels.cpu_decoder_step); larger
-# ones are arithmetic-bound, where oneDNN's and fbgemm's GEMMs win.
-DECODER_STEP_MAX_ROWS = 8

@@ -21,10 +21,10 @@ embedding (``keeps_weight``), or a module that opts out with ``packable = False`
 
 With the numba kernels (``--kernel-backend``, the CPU's default in float32), the
 ``onednn`` and ``int8`` forms keep the weight in panels of 16 rows instead (float32, or
-int8 with its scales; ``kernels.cpu_gemv``): one-row inputs go through a GEMV that reads
+int8 with its scales; ``kernels.cpu.gemv``): one-row inputs go through a GEMV that reads
 them at the memory's bandwidth (a one-sequence decode step 1.2-1.4x faster than oneDNN's
-packed GEMM), and more rows through GEMMs over the same panels (``kernels.cpu_f32_gemm``,
-``kernels.cpu_int8_gemm``), faster than oneDNN's and fbgemm's on this class of CPU. So
+packed GEMM), and more rows through GEMMs over the same panels (``kernels.cpu.f32_gemm``,
+``kernels.cpu.int8_gemm``), faster than oneDNN's and fbgemm's on this class of CPU. So
 no oneDNN or fbgemm copy is made (but for int8 weights of an odd input width): one copy
 of the weights in memory. The int8 GEMV widens the weight to float32 and leaves the
 activations unquantized: ``F.linear(x, q * scale)``. When the work is deferred (a
@@ -52,6 +52,14 @@ QUANTIZATIONS = ("int8", "fp16")
 PENDING_GEMM_MAX_ROWS = 32
 
 
+class PackableLinear:
+    """Marker base of the modules whose weight is a linear map that
+    :func:`prepare_linear_weights` may repack or quantize (the parallel linear layers,
+    the LM head)."""
+
+    weight: torch.Tensor
+
+
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's packed-weight linear (CPU builds usually do)."""
     return bool(torch.backends.mkldnn.is_available()
@@ -77,7 +85,7 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
     width), in plain torch: each row of x divided by its largest magnitude, the whole
     batch then quantized to 7-bit unsigned integers with one scale and zero point (the
     range always includes 0), times the int8 weight, rows scaled back. With the panels,
-    inputs of more than one row go through ``kernels.cpu_int8_gemm`` instead, within
+    inputs of more than one row go through ``kernels.cpu.int8_gemm`` instead, within
     1e-4 of ``F.linear`` on the dequantized weight."""
     s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-10)
     xn = x / s
@@ -109,16 +117,16 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     panels = getattr(module, "panel_weight", None)
     if x2.shape[0] == 1 and panels is not None:
-        from rvllm.kernels.cpu_gemv import gemv
+        from rvllm.kernels.cpu.gemv import gemv
 
         y = gemv(x2, panels)
     elif kind == "int8" and panels is not None and module.packed_weight is None:
         # prepare_linear_weights made no fbgemm copy: the panels take every input.
-        from rvllm.kernels.cpu_int8_gemm import int8_matmul
+        from rvllm.kernels.cpu.int8_gemm import int8_matmul
 
         y = int8_matmul(x2, panels)
     elif kind == "onednn" and panels is not None:
-        from rvllm.kernels.cpu_f32_gemm import float32_matmul
+        from rvllm.kernels.cpu.f32_gemm import float32_matmul
 
         y = float32_matmul(x2, panels)
     elif kind == "onednn":
@@ -142,6 +150,31 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         y = y + bias
     return y.view(*lead, y.shape[-1])
 
+
+
+def matmul_unbiased(module: nn.Module, x: torch.Tensor, threads: int) -> torch.Tensor:
+    """x W^T through the module's panels where it has them (float32 or int8 GEMMs over
+    them), else its packed weight, with no bias and no int8 scaling (the CPU batch step's
+    kernels around it apply those, ``kernels.cpu.batch_step``). ``threads``: numba's
+    thread count."""
+    panels = getattr(module, "panel_weight", None)
+    if module.linear_kind == "int8":
+        if module.packed_weight is None:
+            from rvllm.kernels.cpu.int8_gemm import matmul_into
+
+            out = torch.empty(x.shape[0], panels.rows)
+            matmul_into(x.numpy(), panels.weight, panels.scale, out.numpy(), threads)
+            return out
+        return torch.ops.quantized.linear_dynamic(x, module.packed_weight, True)
+    if panels is not None:
+        from rvllm.kernels.cpu.f32_gemm import matmul_into
+
+        out = torch.empty(x.shape[0], panels.rows)
+        matmul_into(x.numpy(), panels.weight, out.numpy(), threads)
+        return out
+    if module.packed_weight is None:  # its oneDNN reorder is still pending
+        return F.linear(x, module.weight)
+    return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, None, "none", [], "")
 
 class _Packing:
     """Weights being packed on threads of their own; ``wait`` gives each module its
@@ -179,15 +212,13 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     layer computes with its plain weight (``F.linear``: the same numbers up to summation
     order, 1.3-1.7x slower at 9-32 rows on this class of CPU, as fast at 128 and
     more)."""
-    from rvllm.layers.linear import LINEAR_TYPES
-
     if backend not in CPU_LINEAR_BACKENDS:
         raise ValueError(f"cpu linear backend must be one of {CPU_LINEAR_BACKENDS}, "
                          f"got {backend!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     targets = [m for m in model.modules()
-               if isinstance(m, LINEAR_TYPES) and getattr(m, "packable", True)]
+               if isinstance(m, PackableLinear) and getattr(m, "packable", True)]
     on_cpu = [m for m in targets if m.weight.device.type == "cpu"]
     if quantization is not None:
         if len(on_cpu) != len(targets):
@@ -220,8 +251,8 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     keep_rows = use_numba() and kind in ("onednn", "int8")
     quantize = quantize_int8
     if keep_rows:
-        from rvllm.kernels.cpu_gemv import PANEL, panels, panels_in_place
-        from rvllm.kernels.cpu_quantize import quantize_int8 as quantize  # bit-identical
+        from rvllm.kernels.cpu.gemv import PANEL, panels, panels_in_place
+        from rvllm.kernels.cpu.quantize import quantize_int8 as quantize  # bit-identical
     packs = []  # (module, the fbgemm call that packs its weight), run below
     deferred = []  # modules whose reorder (_reorder) waits for reorder_pending
     for m in on_cpu:
@@ -229,7 +260,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
         if kind == "onednn":
             m.linear_kind = kind
             if keep_rows:
-                # Every input reads the panels (the GEMV, kernels.cpu_f32_gemm): a oneDNN
+                # Every input reads the panels (the GEMV, kernels.cpu.f32_gemm): a oneDNN
                 # copy would go unread, and double the weights' memory.
                 m.packed_weight = None
                 in_place = _panels_may_take_rows(m, PANEL)
@@ -264,7 +295,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             if keep_rows:
                 m.panel_weight = panels(q, scale)
             if keep_rows and q.shape[1] % 2 == 0:
-                # Inputs of any rows read the panels (the GEMV, kernels.cpu_int8_gemm):
+                # Inputs of any rows read the panels (the GEMV, kernels.cpu.int8_gemm):
                 # fbgemm's copy would go unread.
                 m.packed_weight = None
             else:

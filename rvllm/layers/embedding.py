@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from rvllm.layers.cpu_linear import apply_linear
-from rvllm.layers.linear import _LMHead
+from rvllm.layers.cpu_linear import PackableLinear, apply_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,7 +43,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             if hasattr(self.weight, "row_panels"):  # a tied LM head's panels hold the rows
-                from rvllm.kernels.cpu_gemv import embedding_rows, embedding_table
+                from rvllm.kernels.cpu.gemv import embedding_rows, embedding_table
 
                 return embedding_rows(embedding_table(self.weight), input_ids)
             return F.embedding(input_ids, self.weight)
@@ -54,7 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding, _LMHead):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """Projects hidden states to logits; may share its weight with the embedding (then the
     plain weight is kept for the embedding when the LM head's copy is packed)."""
 

@@ -12,13 +12,7 @@ import torch
 from torch import nn
 
 from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
-from rvllm.layers.cpu_linear import apply_linear
-
-
-class _LMHead:
-    """Marker base of modules whose weight is a linear map worth packing (the LM head)."""
-
-    weight: torch.Tensor
+from rvllm.layers.cpu_linear import PackableLinear, apply_linear
 
 
 def _divide(a: int, b: int) -> int:
@@ -27,7 +21,7 @@ def _divide(a: int, b: int) -> int:
     return a // b
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, PackableLinear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -127,7 +121,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return param.data.narrow(0, offset, size)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, PackableLinear):
     """y = x W^T + b with W's columns (input features) split across ranks, summed after."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -162,7 +156,3 @@ class RowParallelLinear(nn.Module):
         y = all_reduce(apply_linear(self, x))
         # The bias is added once, after the sum, so it is not counted tp_size times.
         return y + self.bias if self.bias is not None else y
-
-
-# What cpu_linear.prepare_linear_weights may repack or quantize.
-LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, _LMHead)

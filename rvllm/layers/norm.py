@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
         if use_triton() and type(self) is RMSNorm:
-            from rvllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+            from rvllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)

@@ -55,11 +55,11 @@ class Sampler(torch.nn.Module):
                 and all(r.params.logprobs is None for r in rows)):
             if use_triton():
                 # One pass over the logits for the argmax and its logprob.
-                from rvllm.kernels.greedy import greedy_sample
+                from rvllm.kernels.triton.greedy import greedy_sample
 
                 token_ids, logprobs = greedy_sample(raw)
                 return SamplerOutput(token_ids.tolist(), logprobs.tolist(), None, None)
-            from rvllm.kernels.cpu_greedy import greedy_sample as cpu_greedy_sample
+            from rvllm.kernels.cpu.greedy import greedy_sample as cpu_greedy_sample
 
             return SamplerOutput(*cpu_greedy_sample(raw), None, None)
         token_ids = _sample(processed, rows)

@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rvllm.forward_context import get_forward_context
 from rvllm.layers.attention import Attention
-from rvllm.layers.backend import use_numba
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
@@ -20,7 +18,7 @@ from rvllm.layers.norm import RMSNorm
 if TYPE_CHECKING:
     import numpy as np
 
-    from rvllm.kernels.cpu_decoder_step import DecodeLogits, DecoderStepPlan
+    from rvllm.kernels.cpu.decoder_step import DecodeLogits
 
 # (our fused parameter's name piece, the checkpoint's name piece, shard id)
 StackedParams = Sequence[tuple[str, str, int | str]]
@@ -130,47 +128,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if use_numba():
-            hidden = self._compiled_step(input_ids, positions)
-            if hidden is not None:
-                return hidden
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
-
-    def step_plan(self) -> DecoderStepPlan | None:
-        """The compiled decoder step's plan for these layers
-        (``kernels.cpu_decoder_step.build_plan``, made once), or None where it does not
-        cover them."""
-        plan = self.__dict__.get("_decoder_step_plan", False)
-        if plan is False:
-            from rvllm.kernels.cpu_decoder_step import build_plan
-
-            plan = self.__dict__["_decoder_step_plan"] = build_plan(self)
-        return plan
-
-    def _compiled_step(self, input_ids: torch.Tensor, positions: torch.Tensor
-                       ) -> torch.Tensor | None:
-        """A step through the Llama-shaped stacks the CPU kernels cover: a decode step of
-        a few sequences as one compiled call through every layer
-        (``kernels.cpu_decoder_step``), any other step as the layers' GEMMs with numba
-        kernels between them (``kernels.cpu_batch_step``); None leaves it to the layers."""
-        ctx = get_forward_context()
-        plan = self.step_plan()
-        if plan is None:
-            return None
-        positions_np, slots = positions.numpy(), ctx.slot_mapping.numpy()
-        if (not ctx.prefills and ctx.num_decode_tokens == input_ids.shape[0] <= plan.max_rows
-                and ctx.decode_block_tables is not None):
-            from rvllm.kernels.cpu_decoder_step import decoder_step
-
-            return decoder_step(plan, input_ids, positions_np, slots,
-                                ctx.decode_block_tables.numpy())
-        from rvllm.kernels.cpu_batch_step import batch_step
-
-        return batch_step(plan, input_ids, positions_np, slots, ctx)
 
 
 class CausalLM(nn.Module):
@@ -198,38 +160,19 @@ class CausalLM(nn.Module):
     def decode_logits(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                       block_tables: np.ndarray, greedy: bool) -> DecodeLogits | None:
         """A decode step of a few sequences straight to logits in compiled CPU code
-        (``kernels.cpu_decoder_step.decode_logits``: numpy int64 token ids, positions,
-        cache slots [B] and block tables [B, W]), or None where that does not cover this
-        model or step: then ``forward`` and ``compute_logits`` run it."""
-        plan = self._step_plan()
-        if plan is None:
-            return None
-        from rvllm.kernels.cpu_decoder_step import decode_logits
-
-        return decode_logits(plan, self.lm_head, token_ids, positions, slots, block_tables,
-                             greedy)
+        (numpy int64 token ids, positions, cache slots [B] and block tables [B, W]), or
+        None where that does not cover this model or step: then ``forward`` and
+        ``compute_logits`` run it. Only the stacks the CPU's whole-step kernels compute
+        have it (``models.cpu_step``, used by ``LlamaForCausalLM``)."""
+        return None
 
     def decode_greedy_steps(self, token_ids: np.ndarray, positions: np.ndarray,
                             block_tables: np.ndarray, block_size: int, num_steps: int,
                             stops: np.ndarray) -> tuple[list[list[int]], list[list[float]]] | None:
         """Up to ``num_steps`` greedy decode steps in one compiled CPU call, each step's
-        argmax the next one's input (``kernels.cpu_decode_steps``): each step's tokens and
-        their logprobs, or None where ``decode_logits`` would not cover the step."""
-        plan = self._step_plan()
-        if plan is None:
-            return None
-        from rvllm.kernels.cpu_decode_steps import decode_greedy_steps
-
-        return decode_greedy_steps(plan, self.lm_head, token_ids, positions, block_tables,
-                                   block_size, num_steps, stops)
-
-    def _step_plan(self) -> DecoderStepPlan | None:
-        """The compiled CPU step's plan, where it computes exactly this model."""
-        if (not use_numba() or type(self).forward is not CausalLM.forward
-                or type(self).compute_logits is not CausalLM.compute_logits
-                or type(self.model) is not DecoderModel):
-            return None
-        return self.model.step_plan()
+        argmax the next one's input: each step's tokens and their logprobs, or None where
+        ``decode_logits`` would not cover the step."""
+        return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

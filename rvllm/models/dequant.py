@@ -1,5 +1,5 @@
 """Dequantization of GGUF tensor data to float32, vectorized with torch (and, for Q8_0,
-Q4_0 and Q4_1, in one numba pass: ``kernels.cpu_dequant``).
+Q4_0 and Q4_1, in one numba pass: ``kernels.cpu.dequant``).
 
 Each quantized type stores fixed-size blocks of bytes; a block holds `block_size`
 weights. Every decoder below takes a `[n_blocks, type_size]` uint8 tensor and
@@ -128,7 +128,7 @@ def check_supported(ggml_type: int) -> None:
         )
 
 
-# Q8_0, Q4_0 and Q4_1 also decode in one numba pass (kernels.cpu_dequant), bit-identical
+# Q8_0, Q4_0 and Q4_1 also decode in one numba pass (kernels.cpu.dequant), bit-identical
 # to the decoders above; set False to keep to torch.
 USE_NUMBA = True
 
@@ -167,7 +167,7 @@ def dequantize(
                          f"shape {tuple(out.shape)}")
     out = out.view(data.nbytes // type_size, block_size)
     if _use_numba(ggml_type):  # reads the (memory-mapped, read-only) bytes in place
-        from rvllm.kernels.cpu_dequant import dequantize_into
+        from rvllm.kernels.cpu.dequant import dequantize_into
 
         dequantize_into(ggml_type_name(ggml_type), data.reshape(-1, type_size), out.numpy())
         return out.reshape(shape)

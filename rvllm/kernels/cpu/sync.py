@@ -33,7 +33,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 
 _I64 = ir.IntType(64)
 SLOT = 8  # int64 slots a counter takes: one 64-byte cache line each

@@ -16,7 +16,7 @@ integer multiply for 16 multiply-adds, as many a cycle as fbgemm's pair of them 
 so no slower, and a result within 1e-4 of the float32 product with the dequantized weight
 (fbgemm's: 1-2e-2).
 
-The weight is read from the one-row path's int8 panels (``cpu_gemv.panels``: [P, K, 16],
+The weight is read from the one-row path's int8 panels (``gemv.panels``: [P, K, 16],
 16 output rows a panel, column by column), so it takes no memory of its own: two columns
 of a panel are 32 bytes, whose bytes interleaved (an unpack) and sign-extended are the
 two 16-lane vectors of 8 outputs' (k, k + 1) pairs that ``vpmaddwd`` multiplies by the
@@ -48,10 +48,11 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_gemv import PANEL, Panels
-from rvllm.kernels.cpu_math import prefetch_line
-from rvllm.kernels.cpu_vectors import _F32, _I16, _I32, _int
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.gemv import PANEL, Panels
+from rvllm.kernels.cpu.numerics import prefetch_line
+from rvllm.kernels.cpu.threads import match_torch_threads
+from rvllm.kernels.cpu.vectors import _F32, _I16, _I32, _int
 
 ROWS = 4  # rows a tile: 4 x 2 sums of 8 lanes in registers
 _CHUNK_BYTES = 192 * 1024  # a chunk of rows' 16-bit activations: within the L2
@@ -208,7 +209,7 @@ def int8_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels on a tiny input."""
-    from rvllm.kernels.cpu_gemv import panels
+    from rvllm.kernels.cpu.gemv import panels
 
     int8_matmul(torch.zeros(5, 4), panels(torch.zeros(17, 4, dtype=torch.int8),
                                           torch.ones(17)))

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rvllm.kernels import dot_precision
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for the attention kernels' ``tl.dot``: full float32 ("ieee")
+    for float32 inputs, so the float32 path matches the reference token for token (Triton
+    would otherwise round them to TF32 on a GPU); half-precision inputs are unaffected."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit

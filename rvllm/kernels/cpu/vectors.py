@@ -48,13 +48,13 @@ ms a layer's call against 0.46-0.48. Over float32 rows, whose walk is bound by t
 the values' order across the rows cost 7-15% there (the scores' order: no change), so
 they keep the loops above.
 
-A third, ``rows_times_tile``, is prefill attention's (``cpu_prefill_attention``): rows
+A third, ``rows_times_tile``, is prefill attention's (``prefill_attention``): rows
 of a matrix times a tile 16 columns wide, six rows at a time, each row's 16 sums in one
 vector, the tile's rows loaded once for all six (a register-blocked matrix product).
 
 Tokens past the run's length read its last row again, and are dropped (masked stores,
 zero weights): nothing past the run is read. The head dimension must be a multiple of 16
-(``supports``); ``cpu_decode_attention`` keeps its plain loops for the rest, and those
+(``supports``); ``decode_attention`` keeps its plain loops for the rest, and those
 loops (and the torch path) are what these are tested against. Rows are float32 or
 bfloat16 bit patterns (``--kv-cache-dtype bfloat16``), widened in registers.
 
@@ -73,8 +73,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
-from rvllm.kernels.cpu_math import prefetch_line
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.numerics import prefetch_line
 
 LANES = 16
 # Token rows taken together, by the cache's element bytes: each query row (scores) or

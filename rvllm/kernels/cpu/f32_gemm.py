@@ -1,8 +1,8 @@
 """Rows of float32 activations times a float32 weight's panels, with numba.
 
-The one-row GEMV keeps every float32 linear weight as panels [P, K, 16] (``cpu_gemv``):
+The one-row GEMV keeps every float32 linear weight as panels [P, K, 16] (``gemv``):
 16 output rows a panel, column by column, so a panel is already the right-hand operand
-of ``cpu_vectors.rows_times_tile`` (a 16-lane tile row per column: six rows of x by the
+of ``vectors.rows_times_tile`` (a 16-lane tile row per column: six rows of x by the
 panel, 12 sums in registers). Over many rows that is a GEMM: each thread takes an even
 share of the panels, and each panel stays in its L1 for every six rows of a chunk of rows
 that fits in the L2. An odd last row is taken as a pair of itself, and a last panel
@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from numba import prange
 
-from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_gemv import PANEL, Panels
-from rvllm.kernels.cpu_vectors import ROWS, rows_times_tile
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.gemv import PANEL, Panels
+from rvllm.kernels.cpu.threads import match_torch_threads
+from rvllm.kernels.cpu.vectors import ROWS, rows_times_tile
 
 _CHUNK_BYTES = 192 * 1024  # a chunk of rows of x: within the L2
 
@@ -77,6 +78,6 @@ def float32_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels on a tiny input."""
-    from rvllm.kernels.cpu_gemv import panels
+    from rvllm.kernels.cpu.gemv import panels
 
     float32_matmul(torch.zeros(3, 4), panels(torch.zeros(17, 4)))

@@ -21,17 +21,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-from torch import nn
 
-from rvllm.kernels import match_torch_threads
-from rvllm.kernels.cpu_decoder_step import (
+from rvllm.kernels.cpu.decoder_step import (
     SLOTS_ARG,
     DecoderStepPlan,
     _layer_args,
     _step_to_logits,
-    logits_call_parts,
     warm_up_args,
 )
+from rvllm.kernels.cpu.gemv import Panels
+from rvllm.kernels.cpu.threads import match_torch_threads
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -71,20 +70,17 @@ def _greedy_steps(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o
     return step_ids.shape[0]
 
 
-def decode_greedy_steps(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarray,
+def decode_greedy_steps(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
+                        head: Panels, logits: np.ndarray, token_ids: np.ndarray,
                         positions: np.ndarray, block_tables: np.ndarray, block_size: int,
                         num_steps: int, stops: np.ndarray
-                        ) -> tuple[list[list[int]], list[list[float]]] | None:
+                        ) -> tuple[list[list[int]], list[list[float]]]:
     """Up to ``num_steps`` greedy decode steps of B sequences from their token ids and
     positions (int64 [B]), each sequence's cache blocks covering every step's position
     (int64 [B, W]), and stop tokens (int64 [B, S], padded with -1): each step's tokens
-    [steps][B] and their logprobs. None where ``decode_logits`` would not cover the
-    step."""
+    [steps][B] and their logprobs. The caches, LM head and logits buffer [B, V] as
+    ``decoder_step.decode_logits`` takes them."""
     rows = token_ids.shape[0]
-    parts = logits_call_parts(plan, lm_head, rows)
-    if parts is None:
-        return None
-    caches, head, logits = parts
     ids = np.empty((num_steps, rows), np.int64)
     logprobs = np.empty((num_steps, rows), np.float32)
     threads = match_torch_threads()
@@ -98,7 +94,7 @@ def decode_greedy_steps(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
             float32: bool = True) -> None:
     """Compile (or load from numba's cache) ``_greedy_steps`` for the weights and caches
-    ``cpu_decoder_step.warm_up`` covers, so the first multi-step call does not pay for
+    ``decoder_step.warm_up`` covers, so the first multi-step call does not pay for
     it."""
     for layers, head, scale in warm_up_args(kv_dtype, int8, float32):
         _greedy_steps(np.zeros((20, layers[0].shape[1], 1), np.float32),

@@ -1,10 +1,10 @@
-"""The pieces of the compiled decode steps (``cpu_decoder_step``, ``cpu_batch_step``)
+"""The pieces of the compiled decode steps (``decoder_step``, ``batch_step``)
 between and around their GEMVs, in numba: RMSNorm, RoPE and the KV-cache write, the
 fused gate/up projection with SiLU*mul, and the LM head's greedy pass.
 
 Each piece that a step shares out among threads comes as a share (``_gate_up_share``,
 ``_head_share``: items [lo, hi) of the whole), so that the one-row step's parallel region
-can run it (``cpu_decoder_step._one_region``); the ``prange`` wrappers (``_gate_up_silu``,
+can run it (``decoder_step._one_region``); the ``prange`` wrappers (``_gate_up_silu``,
 ``_head_greedy``) run the same shares as a loop of their own, for steps of more rows, and
 are what the tests hold to torch.
 """
@@ -15,8 +15,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_gemv import (
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.gemv import (
     PANEL,
     ROWS,
     SUMS,
@@ -25,7 +25,7 @@ from rvllm.kernels.cpu_gemv import (
     _share,
     _streams,
 )
-from rvllm.kernels.cpu_math import exp32, narrow_kv
+from rvllm.kernels.cpu.numerics import exp32, narrow_kv
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -44,7 +44,7 @@ def _silu_put(out, r, g, u, scale, bias, inter):
 @numba.njit(fastmath=True, cache=True, inline="always")
 def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
     """Rows 16p.. of out[b0 + b] for b < rows: gate and up panel pair t of a pass's sums
-    (``cpu_gemv._group_dots``: the gate's at 2t, the up's at 2t + 1)."""
+    (``gemv._group_dots``: the gate's at 2t, the up's at 2t + 1)."""
     for b in range(rows):
         for j in range(PANEL):
             _silu_put(out[b0 + b], p * PANEL + j, sums[2 * t * rows + b, j],
@@ -169,7 +169,7 @@ def _head_share(x, w, scale, logits, tops, firsts, totals, part, lo, hi, sums):
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _merge_greedy(tops, firsts, totals, token_ids, logprobs):
     """Each row's greedy token (the first index of its largest logit, as ``torch.argmax``)
-    and its log-softmax logprob (``kernels.cpu_greedy``'s numbers) from the shares'
+    and its log-softmax logprob (``kernels.cpu.greedy``'s numbers) from the shares'
     maxima, first indices and sums of ``_head_share``."""
     parts = tops.shape[0]
     for b in range(token_ids.shape[0]):

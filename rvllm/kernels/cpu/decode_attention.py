@@ -28,7 +28,7 @@ without, 0.42 ms with, 0.40 ms to only read the same blocks.
 Past that it was bound by its arithmetic (as fast with the cache in the L3): each score
 was a horizontal sum and each value row a reload of the accumulator. With a head
 dimension that is a multiple of 16, the scores and the weighted values of a block go
-through ``cpu_vectors`` (16-lane vectors written in LLVM IR): 0.50 to 0.26 ms a layer at
+through ``vectors`` (16-lane vectors written in LLVM IR): 0.50 to 0.26 ms a layer at
 32 sequences of 32-400 tokens (SmolLM2's heads), float32 or bfloat16 cache alike.
 
 numba compiles the kernel on its first call (a few seconds) and caches the machine
@@ -42,9 +42,10 @@ import numba
 import numpy as np
 import torch
 
-from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_math import exp32, fetch_rows, kv_array, row_max, widen_kv_row
-from rvllm.kernels.cpu_vectors import LANES, run_scores, run_values, supports
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.numerics import exp32, fetch_rows, kv_array, row_max, widen_kv_row
+from rvllm.kernels.cpu.threads import match_torch_threads
+from rvllm.kernels.cpu.vectors import LANES, run_scores, run_values, supports
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -73,7 +74,7 @@ def _values_run(scores, values, ahead, fetch, s0, n, base, group, acc):
 def _block_scores(queries, keys, ahead, t0, t1, base, group, row, scores, partials):
     """Scores of the block's tokens [t0, t1) into scores[:, base + t], while the same rows
     of the block ``ahead`` are asked for: in runs of up to 16 tokens with
-    ``cpu_vectors.run_scores``, or where the head dimension is not a multiple of 16, in
+    ``vectors.run_scores``, or where the head dimension is not a multiple of 16, in
     plain loops (one dot product a token and query head, each key row read once for the
     query heads that share it)."""
     head_dim, num_kv_heads = queries.shape[1], keys.shape[1]
@@ -153,7 +154,7 @@ def _attend_part(q, key_cache, value_cache, block_tables, seq_lens, scale, windo
             queries[h, d] = q[seq, h, d] * scale
     scores = np.empty((num_heads, count), np.float32)
     row = np.empty(head_dim, np.float32)  # a bfloat16 cache's row, widened
-    # cpu_vectors' scratch; zeros, so that lanes it drops never hold denormals.
+    # vectors' scratch; zeros, so that lanes it drops never hold denormals.
     partials = np.zeros((num_heads, LANES, LANES), np.float32)
     for b in range(lo, hi):
         # A block's keys (and values) are one contiguous run of memory: read it in order,

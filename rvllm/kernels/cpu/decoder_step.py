@@ -2,7 +2,7 @@
 numba call.
 
 A decode step of one sequence reads every weight once and does little arithmetic on
-each, so the linear layers alone (``cpu_gemv``) took about half of the step on this
+each, so the linear layers alone (``gemv``) took about half of the step on this
 class of CPU; the other half was the ~50 torch operations per layer around them (norms,
 RoPE, the cache write, attention, SiLU*mul, the residual adds) and the Python that
 drives them, each a few microseconds on a few rows. Here the whole stack runs in
@@ -12,7 +12,7 @@ gate/up with SiLU*mul fused into its rows, and the down projection. Each weight 
 read from memory once for all the step's sequences.
 
 A one-row step (N=1 decode, bound by the memory) runs in one parallel region of numba's
-threads (as many as torch's) for the whole step (``_one_region``, ``cpu_sync``): each
+threads (as many as torch's) for the whole step (``_one_region``, ``sync``): each
 projection's shares and each layer's attention are work items any free thread claims,
 and whichever thread ends a phase's last item does the few thousand floats of serial
 work after it (RoPE and the cache write, a residual add and a norm). A ``prange`` loop
@@ -26,42 +26,41 @@ attention, the rest on the calling thread (``_by_op``): the region was slower th
 Up to ``MAX_ROWS`` sequences with float32 weights, ``MAX_ROWS_INT8`` with int8: measured
 on the random Llama (2 cores), past those the packed GEMMs win (fbgemm's int8 GEMMs
 quantize the activations too; here every int8 weight is widened to float32), and
-``cpu_batch_step`` runs the step with them.
+``batch_step`` runs the step with them.
 
 ``decode_logits`` (the model runner's decode-only steps) goes on in the same call from
 the token ids' embedding rows through the LM head to the logits, and to each row's greedy
 token where that is all a row asks for; ``decoder_step`` stops at the final hidden states
 (the model's forward).
 
-It serves models built exactly from ``PreNormDecoderLayer(LlamaAttention, LlamaMLP)``
-with plain RMSNorms (Llama, Mistral, Qwen2), float32 activations, linear layers that
-keep their weights in panels for one-row inputs (float32, or int8 with per-row scales, as
-``cpu_gemv``), and no tensor parallelism. Anything else keeps the torch path, which is
-also the reference this is tested against (``tests/test_cpu_decoder_step.py``).
+The model hands it a plan of arrays and weight addresses (``DecoderStepPlan``,
+built by ``models/cpu_step.py`` from stacks of exactly the Llama shape: Llama, Mistral,
+Qwen2) with float32 activations and weights in panels for one-row inputs (float32, or
+int8 with per-row scales, as ``gemv``), and no tensor parallelism. Anything else keeps
+the torch path, which is also the reference this is tested against
+(``tests/test_cpu_decoder_step.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numba
 import numpy as np
 import torch
 from numba import prange, types
 from numba.extending import intrinsic
-from torch import nn
 
-from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_decode_attention import (
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.decode_attention import (
     _attend_part,
     _merge,
     _paged_decode,
     num_splits_for,
     split_range,
 )
-from rvllm.kernels.cpu_gemv import (
+from rvllm.kernels.cpu.gemv import (
     PANEL,
     SUMS,
     Panels,
@@ -73,8 +72,8 @@ from rvllm.kernels.cpu_gemv import (
     embedding_table,
     panel_shape,
 )
-from rvllm.kernels.cpu_math import _prefetch, kv_array
-from rvllm.kernels.cpu_step_parts import (
+from rvllm.kernels.cpu.numerics import _prefetch, kv_array
+from rvllm.kernels.cpu.step_parts import (
     _gate_up_share,
     _gate_up_silu,
     _head_greedy,
@@ -83,8 +82,8 @@ from rvllm.kernels.cpu_step_parts import (
     _rms_norm,
     _rope_and_cache,
 )
-from rvllm.kernels.cpu_sync import claim, done, finish, phases, publish, spin, wait
-from rvllm.layers.backend import DECODER_STEP_MAX_ROWS
+from rvllm.kernels.cpu.sync import claim, done, finish, phases, publish, spin, wait
+from rvllm.kernels.cpu.threads import match_torch_threads
 
 
 @intrinsic
@@ -101,16 +100,17 @@ def _pointer_like(typingctx, address, like):
 
 @numba.njit(cache=True, inline="always")
 def _weight(addresses, layer, like, rows, cols):
-    """The panels of a [rows, cols] weight (``cpu_gemv``) at ``addresses[layer]``."""
+    """The panels of a [rows, cols] weight (``gemv``) at ``addresses[layer]``."""
     return numba.carray(_pointer_like(addresses[layer], like),
                         ((rows + PANEL - 1) // PANEL, cols, PANEL))
 
 
-# Decode steps of at most this many sequences run here (float32 weights, int8 weights).
-MAX_ROWS, MAX_ROWS_INT8 = DECODER_STEP_MAX_ROWS, 4
+# Decode steps of at most this many sequences run here (float32 weights, int8 weights);
+# larger ones are arithmetic-bound, where the GEMMs over the panels win.
+MAX_ROWS, MAX_ROWS_INT8 = 8, 4
 
 
-# A layer's phases in the step's parallel region (``cpu_sync``): the QKV projection (its
+# A layer's phases in the step's parallel region (``sync``): the QKV projection (its
 # tail: RoPE and the cache write), attention (tail: the splits' merge), the output
 # projection (tail: the residual add and the second norm), gate/up, down (tail: the
 # residual add and the next layer's norm); after the last layer, the LM head.
@@ -119,7 +119,7 @@ LINE = 64  # bytes of a cache line
 FETCH_BYTES = 64 * 1024
 # A GEMV's last 1 / TAIL of panels goes in items of about 1 / (TAIL * SMALL * threads) of
 # them, and at least PAIR panels (``_item_panels``): one-panel items were read as one
-# stream, slower than two side by side (``cpu_gemv._panels_into``).
+# stream, slower than two side by side (``gemv._panels_into``).
 TAIL, SMALL, PAIR = 8, 4, 2
 
 
@@ -164,7 +164,7 @@ def _item_panels(n, item, parts):
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _linear_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
-    """The items of out = x W^T (``cpu_gemv._panels_into``) this thread claims of
+    """The items of out = x W^T (``gemv._panels_into``) this thread claims of
     ``phase``'s (``_item_panels``), from ``item`` (claimed before); whether it ended the
     last one (it then owes the tail)."""
     items, last = _items(w.shape[0], parts), False
@@ -178,7 +178,7 @@ def _linear_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _gate_up_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
-    """``_linear_items`` for the fused gate/up (``cpu_step_parts._gate_up_share``: the
+    """``_linear_items`` for the fused gate/up (``step_parts._gate_up_share``: the
     items are of the gate's panels, each with the same panels of up)."""
     n = out.shape[1] // PANEL
     items, last = _items(n, parts), False
@@ -192,7 +192,7 @@ def _gate_up_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals, parts, sums):
-    """``_linear_items`` for the LM head (``cpu_step_parts._head_share``; tops, firsts
+    """``_linear_items`` for the LM head (``step_parts._head_share``; tops, firsts
     and totals have a row for each item)."""
     items, last = _items(w.shape[0], parts), False
     while item < items:
@@ -207,7 +207,7 @@ def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals
 def _attention_items(counters, phase, item, q, keys, values, tables, lens, window,
                      num_splits, part_max, part_sum, part_out, out):
     """The work items (a sequence, or a split of its context) of one layer's decode
-    attention (``cpu_decode_attention._attend_part``) this thread claims, from ``item``
+    attention (``decode_attention._attend_part``) this thread claims, from ``item``
     (claimed before); whether it ended the last one."""
     items = q.shape[0] * num_splits
     last = False
@@ -234,7 +234,7 @@ def _panel_address(w, p):
 @numba.njit(cache=True, inline="always")
 def _linear_starts(w, item, parts, batch):
     """Where the runs of ``item``'s share of a GEMV over the panels w begin, in the order
-    ``cpu_gemv._panels_into`` reads them (addresses; 0: no run, or not a first share)."""
+    ``gemv._panels_into`` reads them (addresses; 0: no run, or not a first share)."""
     if item >= parts or w.shape[0] == 0:
         return 0, 0, 0, 0
     lo, hi = _item_panels(w.shape[0], item, parts)
@@ -251,7 +251,7 @@ def _linear_starts(w, item, parts, batch):
 @numba.njit(cache=True, inline="always")
 def _gate_up_starts(w, item, parts, batch):
     """``_linear_starts`` for a share of the fused gate/up
-    (``cpu_step_parts._gate_up_share``: gate and up panels side by side)."""
+    (``step_parts._gate_up_share``: gate and up panels side by side)."""
     if item >= parts:
         return 0, 0, 0, 0
     gate_panels = w.shape[0] // 2
@@ -322,7 +322,7 @@ def _one_region(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
                 num_heads, num_kv_heads, head_dim, scale, eps, final_norm, out, head_w,
                 head_s, logits, greedy_ids, greedy_logprobs, parts):
     """``_decoder_step`` (its arguments) in one parallel region of ``parts`` iterations,
-    the work of each phase claimed by whichever thread is free (``cpu_sync``)."""
+    the work of each phase claimed by whichever thread is free (``sync``)."""
     rows, size = hidden.shape
     layers = norms1.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -475,12 +475,12 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
     layer's weight panels of that projection, by address (int64 [L]; element type
     ``like``'s); ``*_s``, ``*_b``: per-row scales (int8) and biases stacked [L, N], or
     [L, 0] for none; norms [L, H]; key_cache / value_cache [L, blocks, block_size, Hk,
-    D], float32 or bfloat16 bits (``cpu_math.kv_array``); tables [B, W] each row's cache
+    D], float32 or bfloat16 bits (``numerics.kv_array``); tables [B, W] each row's cache
     blocks; slots [B] where its K/V go (-1: nowhere); parts: numba's thread count (see
-    ``cpu_gemv._matvec``). Writes the final norm of the last residual to ``out`` [B,
+    ``gemv._matvec``). Writes the final norm of the last residual to ``out`` [B,
     H]; with LM head panels ``head_w`` (not empty; int8 scales head_s) its logits [B, V]
     into ``logits``, and with greedy_ids / greedy_logprobs of length B (not 0) each
-    row's greedy token and its logprob (``cpu_step_parts._merge_greedy``). One row:
+    row's greedy token and its logprob (``step_parts._merge_greedy``). One row:
     ``_one_region``; more: ``_by_op``. Plain Python: numba optimizes a compiled caller
     again with all its callees' code linked in, 15-18 s a form for this dispatch alone
     (``_step_to_logits`` makes it itself)."""
@@ -502,7 +502,7 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
                     sin_table, num_heads, num_kv_heads, head_dim, scale, eps, final_norm,
                     head_w, head_s, logits, greedy_ids, greedy_logprobs, parts):
     """``_decoder_step`` from the token ids' rows of the embedding (a table [V / P, H, P],
-    ``cpu_gemv.embedding_table``) through the LM head (panels head_w, int8 scales
+    ``gemv.embedding_table``) through the LM head (panels head_w, int8 scales
     head_s)."""
     rows, size, per = token_ids.shape[0], embedding.shape[1], embedding.shape[2]
     hidden = np.empty((rows, size), np.float32)
@@ -520,15 +520,12 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
         _by_op(*args)
 
 
-def _linears(modules: list[nn.Module]) -> tuple | None:
-    """One projection of every layer: its panels' addresses (int64 [L]), the panels
-    themselves (``cpu_gemv.Panels``, kept alive with the plan), their element type as an
-    empty array, and the per-row scales (int8) and biases stacked [L, N], or [L, 0] for
-    none. None when a layer keeps no panels (``--cpu-linear-backend torch``, fp16
-    weights) or the layers differ in format or shape."""
-    copies = [getattr(m, "panel_weight", None) for m in modules]
-    if any(c is None for c in copies):
-        return None
+def stack_linears(copies: list[Panels], biases: list[torch.Tensor | None]) -> dict | None:
+    """One projection of every layer, from its panels (``gemv.Panels``) and biases: the
+    panels' addresses (``w``, int64 [L]), the per-row scales (int8) and biases stacked
+    [L, N], or [L, 0] for none (``s``, ``b``), the panels themselves (``panels``, kept
+    alive with the plan) and their element type as an empty array (``like``). None when
+    the layers differ in format or shape."""
     if len({(c.weight.dtype, c.weight.shape, c.rows, c.scale.shape) for c in copies}) != 1:
         return None
     if not all(c.weight.flags.c_contiguous for c in copies):
@@ -537,147 +534,106 @@ def _linears(modules: list[nn.Module]) -> tuple | None:
     rows = copies[0].rows
     scale = (np.stack([c.scale for c in copies]) if copies[0].scale.shape[0] > 0
              else np.empty((len(copies), 0), np.float32))
-    biases = [getattr(m, "bias", None) for m in modules]
     if any(b is None for b in biases):
-        bias = np.empty((len(modules), 0), np.float32)
+        bias = np.empty((len(copies), 0), np.float32)
     else:
         bias = torch.stack([b.detach().float() for b in biases]).numpy()
     assert bias.shape[1] in (0, rows) and scale.shape[1] in (0, rows)
-    return addresses, copies, np.empty(0, copies[0].weight.dtype), scale, bias
+    return {"w": addresses, "s": scale, "b": bias, "panels": copies,
+            "like": np.empty(0, copies[0].weight.dtype)}
 
 
+@dataclass(slots=True)
 class DecoderStepPlan:
-    """Everything ``_decoder_step`` reads for one model, gathered once: the weights'
-    addresses (the weights themselves stay with their linear layers; the plan keeps them
-    alive too), the small per-layer arrays stacked over the layers, the rotary tables.
-    The KV caches are looked up when the engine has allocated them."""
+    """Everything ``_decoder_step`` reads for one model but the KV caches, gathered once
+    by the model (``models.cpu_step.build_plan``): each projection's panels by address
+    (``*_w``; the panels stay with their linear layers, and ``weights`` keeps them alive
+    too), its int8 scales and biases (``*_s``, ``*_b``), the norms stacked over the
+    layers, the rotary tables and the embedding table."""
 
-    def __init__(self, layers: list[nn.Module], attrs: dict[str, Any]) -> None:
-        self.layers = layers
-        self.__dict__.update(attrs)
-        # The first layer's attention: its cache, looked up every step, is a plain
-        # attribute (not a submodule's, as the layers' path to it is: 3-5 us cold).
-        self._first_attention = layers[0].self_attn.attn
-        self._caches: tuple[tuple, tuple[np.ndarray, np.ndarray] | None] | None = None
-        self._head: tuple[nn.Module, Panels | None] | None = None
-        self._logits: np.ndarray | None = None  # [max_rows, V], reused step after step
-
-    def caches(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """[L, blocks, block_size, Hk, D] keys and values, when every layer's cache is a
-        slice of one allocation (``ModelRunner.allocate_kv_cache``); else None. Checked
-        again only when the first layer's cache is another (tuple of tensors)."""
-        first = self._first_attention.kv_cache  # a tuple that each allocation makes anew
-        if first is None:
-            return None
-        if self._caches is None or self._caches[0] is not first:
-            self._caches = (first, self._stacked_caches())
-        return self._caches[1]
-
-    def head(self, lm_head: nn.Module) -> Panels | None:
-        """The LM head's panels when ``decode_logits`` can compute its logits: a plain
-        ``ParallelLMHead`` on one rank, no bias, panels of this stack's weight format and
-        hidden size (checked once)."""
-        if self._head is None or self._head[0] is not lm_head:
-            from rvllm.layers.embedding import ParallelLMHead
-
-            panels = getattr(lm_head, "panel_weight", None)
-            ok = (type(lm_head) is ParallelLMHead and panels is not None
-                  and lm_head.bias is None and lm_head.tp_size == 1
-                  and panels.rows == lm_head.num_embeddings
-                  and panels.weight.shape[1] == self.final_norm.shape[0]
-                  and panels.weight.dtype == self.like.dtype)
-            self._head = (lm_head, panels if ok else None)
-        return self._head[1]
-
-    def _stacked_caches(self) -> tuple[np.ndarray, np.ndarray] | None:
-        stacked = []
-        for which in (0, 1):
-            base = self.layers[0].self_attn.attn.kv_cache[which]._base
-            if base is None or base.dim() != 5 or base.shape[0] != len(self.layers):
-                return None
-            if any(layer.self_attn.attn.kv_cache[which].data_ptr() != base[i].data_ptr()
-                   for i, layer in enumerate(self.layers)):
-                return None
-            stacked.append(kv_array(base))
-        return stacked[0], stacked[1]
+    qkv_w: np.ndarray
+    qkv_s: np.ndarray
+    qkv_b: np.ndarray
+    o_w: np.ndarray
+    o_s: np.ndarray
+    o_b: np.ndarray
+    gu_w: np.ndarray
+    gu_s: np.ndarray
+    gu_b: np.ndarray
+    down_w: np.ndarray
+    down_s: np.ndarray
+    down_b: np.ndarray
+    weights: list[list[Panels]]  # per projection, every layer's panels
+    like: np.ndarray  # an empty array of the weights' element type
+    norms1: np.ndarray  # [L, H]
+    norms2: np.ndarray  # [L, H]
+    windows: np.ndarray  # int64 [L]: each layer's sliding window, 0 for none
+    cos: np.ndarray
+    sin: np.ndarray
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: np.float32
+    eps: np.float32
+    final_norm: np.ndarray  # [H]
+    embedding: torch.Tensor  # ``gemv.embedding_table``
+    embedding_array: np.ndarray  # the same table as the compiled calls take it
+    inter: int
+    max_rows: int
 
 
-def build_plan(decoder: nn.Module) -> DecoderStepPlan | None:
-    """The plan for ``decoder`` (a ``DecoderModel``), or None when its layers are not
-    exactly the Llama shape this kernel computes or its linear layers keep no weight
-    panels."""
-    from rvllm.distributed import get_tp_size
-    from rvllm.layers.norm import RMSNorm
-    from rvllm.layers.rotary import RotaryEmbedding
-    from rvllm.models.base import PreNormDecoderLayer
-    from rvllm.models.llama import LlamaAttention, LlamaMLP
-
-    layers = list(decoder.layers)
-    if (get_tp_size() != 1 or type(decoder.norm) is not RMSNorm or not layers
-            or decoder.embed_tokens.weight.dtype != torch.float32):
-        return None
-    first = layers[0]
-    for layer in layers:
-        if (type(layer) is not PreNormDecoderLayer or type(layer.self_attn) is not LlamaAttention
-                or type(layer.mlp) is not LlamaMLP
-                or type(layer.input_layernorm) is not RMSNorm
-                or type(layer.post_attention_layernorm) is not RMSNorm
-                or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
-            return None
-        attn = layer.self_attn.attn
-        if (attn.logits_soft_cap is not None or attn.scale != first.self_attn.attn.scale
-                or layer.input_layernorm.eps != decoder.norm.eps
-                or layer.post_attention_layernorm.eps != decoder.norm.eps
-                or layer.self_attn.rotary_emb.cos_cache.data_ptr()
-                != first.self_attn.rotary_emb.cos_cache.data_ptr()):
-            return None
-    attrs: dict[str, Any] = {"weights": []}
-    likes = set()
-    for name, get in (("qkv", lambda layer: layer.self_attn.qkv_proj),
-                      ("o", lambda layer: layer.self_attn.o_proj),
-                      ("gu", lambda layer: layer.mlp.gate_up_proj),
-                      ("down", lambda layer: layer.mlp.down_proj)):
-        found = _linears([get(layer) for layer in layers])
-        if found is None:
-            return None
-        addresses, weights, like, attrs[f"{name}_s"], attrs[f"{name}_b"] = found
-        attrs[f"{name}_w"] = addresses
-        attrs["weights"].append(weights)
-        attrs["like"] = like
-        likes.add(like.dtype)
-    if len(likes) != 1:
+def make_plan(projections: dict[str, dict], norms1: np.ndarray, norms2: np.ndarray,
+              windows: np.ndarray, cos: np.ndarray, sin: np.ndarray, num_heads: int,
+              num_kv_heads: int, head_dim: int, scale: float, eps: float,
+              final_norm: np.ndarray, embedding_weight: torch.Tensor
+              ) -> DecoderStepPlan | None:
+    """The plan from each projection's ``stack_linears`` (keys ``qkv``, ``o``, ``gu``,
+    ``down``) and the stack's other arrays, or None when the kernel cannot compute it:
+    the projections differ in weight format, their shapes are not exactly the ones
+    these head counts and sizes make (the kernel reads each weight by address), or the
+    intermediate size is not whole panels (the fused gate/up takes whole panels of
+    each)."""
+    if len({p["like"].dtype for p in projections.values()}) != 1:
         return None  # one weight format for the whole stack
-
-    attn0, rotary = first.self_attn, first.self_attn.rotary_emb
-    num_heads, num_kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-    hidden = decoder.norm.weight.shape[0]
-    inter = first.mlp.gate_up_proj.panel_weight.rows // 2
+    hidden = final_norm.shape[0]
+    inter = projections["gu"]["panels"][0].rows // 2
     if inter % PANEL:
-        return None  # the fused gate/up takes whole panels of each
+        return None
     q_size = num_heads * head_dim
-    # The kernel reads each weight by address at these shapes: they must be exact.
     expected = {"qkv": (q_size + 2 * num_kv_heads * head_dim, hidden), "o": (hidden, q_size),
                 "gu": (2 * inter, hidden), "down": (hidden, inter)}
-    if any((panel.rows, panel.weight.shape[1]) != shape
-           for panel, shape in zip((w[0] for w in attrs["weights"]), expected.values())):
-        return None
-    attrs.update({
-        "norms1": torch.stack([layer.input_layernorm.weight.detach() for layer in layers])
-        .numpy(),
-        "norms2": torch.stack([layer.post_attention_layernorm.weight.detach()
-                               for layer in layers]).numpy(),
-        "windows": np.array([layer.self_attn.attn.sliding_window or 0 for layer in layers],
-                            dtype=np.int64),
-        "cos": rotary.cos_cache.numpy(), "sin": rotary.sin_cache.numpy(),
-        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "scale": np.float32(attn0.attn.scale), "eps": np.float32(decoder.norm.eps),
-        "final_norm": decoder.norm.weight.detach().numpy(),
-        "embedding": embedding_table(decoder.embed_tokens.weight),
-        "max_rows": MAX_ROWS_INT8 if attrs["like"].dtype == np.int8 else MAX_ROWS,
-        "inter": inter,
-    })
-    attrs["embedding_array"] = attrs["embedding"].numpy()  # the compiled calls' view
-    return DecoderStepPlan(layers, attrs)
+    for name, shape in expected.items():
+        first = projections[name]["panels"][0]
+        if (first.rows, first.weight.shape[1]) != shape:
+            return None
+    like = projections["qkv"]["like"]
+    embedding = embedding_table(embedding_weight)
+    fields = {f"{name}_{part}": projections[name][part]
+              for name in expected for part in ("w", "s", "b")}
+    return DecoderStepPlan(
+        **fields, weights=[projections[name]["panels"] for name in expected], like=like,
+        norms1=norms1, norms2=norms2, windows=windows, cos=cos, sin=sin,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        scale=np.float32(scale), eps=np.float32(eps), final_norm=final_norm,
+        embedding=embedding, embedding_array=embedding.numpy(), inter=inter,
+        max_rows=MAX_ROWS_INT8 if like.dtype == np.int8 else MAX_ROWS)
+
+
+def stacked_caches(layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+    """[L, blocks, block_size, Hk, D] keys and values as the kernel reads them, when every
+    layer's (key, value) cache is its slice of one allocation of each
+    (``ModelRunner.allocate_kv_cache``); else None."""
+    stacked = []
+    for which in (0, 1):
+        base = layer_caches[0][which]._base
+        if base is None or base.dim() != 5 or base.shape[0] != len(layer_caches):
+            return None
+        if any(cache[which].data_ptr() != base[i].data_ptr()
+               for i, cache in enumerate(layer_caches)):
+            return None
+        stacked.append(kv_array(base))
+    return stacked[0], stacked[1]
 
 
 # Where ``_layer_args`` puts the weights' element type (``like``) and the cache slots.
@@ -688,7 +644,7 @@ def _layer_args(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
                 block_tables: np.ndarray, positions: np.ndarray, slots: np.ndarray | int
                 ) -> tuple:
     """``_decoder_step``'s arguments from ``norms1`` to ``final_norm``, as its callers
-    pass them (``cpu_decode_steps`` passes a block size in the slots' place)."""
+    pass them (``decode_steps`` passes a block size in the slots' place)."""
     return (plan.norms1, plan.qkv_w, plan.qkv_s, plan.qkv_b, plan.o_w, plan.o_s, plan.o_b,
             plan.norms2, plan.gu_w, plan.gu_s, plan.gu_b, plan.down_w, plan.down_s,
             plan.down_b, plan.like, plan.inter, *caches, plan.windows, block_tables,
@@ -696,21 +652,26 @@ def _layer_args(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
             plan.head_dim, plan.scale, plan.eps, plan.final_norm)
 
 
-def decoder_step(plan: DecoderStepPlan, token_ids: torch.Tensor, positions: np.ndarray,
-                 slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor | None:
-    """Final hidden states [B, H] of one new token of each of B sequences: token ids [B],
-    their positions and cache slots (int64 [B]; slot -1: not written), and each
-    sequence's cache blocks (int64 [B, W]). None when the KV caches are not one stacked
-    allocation (the layers then run the step)."""
-    caches = plan.caches()
-    if caches is None or token_ids.shape[0] > plan.max_rows:
-        return None
+def decoder_step(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
+                 token_ids: torch.Tensor, positions: np.ndarray, slots: np.ndarray,
+                 block_tables: np.ndarray) -> torch.Tensor:
+    """Final hidden states [B, H] of one new token of each of B (at most
+    ``plan.max_rows``) sequences: token ids [B], their positions and cache slots (int64
+    [B]; slot -1: not written), each sequence's cache blocks (int64 [B, W]), and the
+    stacked caches (``stacked_caches``)."""
     threads = match_torch_threads()
     hidden = embedding_rows(plan.embedding, token_ids).numpy()  # a copy: the residual stream
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _decoder_step(hidden, *_layer_args(plan, caches, block_tables, positions, slots),
                   out.numpy(), *_no_head(plan.like, hidden.shape[1]), threads)
     return out
+
+
+def head_fits(plan: DecoderStepPlan, head: Panels) -> bool:
+    """Whether the step can go on through this LM head's panels: the stack's weight
+    format and hidden size."""
+    return (head.weight.shape[1] == plan.final_norm.shape[0]
+            and head.weight.dtype == plan.like.dtype)
 
 
 def _no_head(like: np.ndarray, size: int) -> tuple:
@@ -735,37 +696,21 @@ class DecodeLogits:
         return torch.from_numpy(self.array)
 
 
-def logits_call_parts(plan: DecoderStepPlan, lm_head: nn.Module, rows: int
-                      ) -> tuple[tuple[np.ndarray, np.ndarray], Panels, np.ndarray] | None:
-    """What a compiled call of ``rows`` rows through to the logits needs beside the
-    plan: the stacked KV caches, the LM head's panels, and a logits buffer [rows, V]
-    that each call writes over. None where such a call cannot run."""
-    caches, head = plan.caches(), plan.head(lm_head)
-    if caches is None or head is None or rows > plan.max_rows:
-        return None
-    if plan._logits is None:
-        plan._logits = np.empty((plan.max_rows, head.rows), np.float32)
-    return caches, head, plan._logits[:rows]
-
-
-def decode_logits(plan: DecoderStepPlan, lm_head: nn.Module, token_ids: np.ndarray,
+def decode_logits(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
+                  head: Panels, logits: np.ndarray, token_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
-                  greedy: bool) -> DecodeLogits | None:
+                  greedy: bool) -> DecodeLogits:
     """A decode step of B sequences (arguments as ``decoder_step``'s, token ids int64
-    [B]) from the token ids through the layers and the LM head in one compiled call: the
-    logits, and with ``greedy`` each row's argmax token and its logprob, found by the
-    threads that computed the logits. None when this path does not cover the step (the
-    caller takes the general one).
+    [B]) from the token ids through the layers and the LM head (its panels, where
+    ``head_fits``) in one compiled call: the logits, written into ``logits`` [B, V],
+    and with ``greedy`` each row's argmax token and its logprob, found by the threads
+    that computed the logits.
 
     After a step has streamed the weights through the caches, every line of Python runs
     on code and data fetched from memory again: at N=1 the two calls and tensors of
     ``decoder_step`` plus ``compute_logits`` and the sampler's pass cost 0.5-0.8 ms of
     a 9 ms step (the random Llama, 2-core Zen 5); here what is left of them is the call."""
     rows = token_ids.shape[0]
-    parts = logits_call_parts(plan, lm_head, rows)
-    if parts is None:
-        return None
-    caches, head, logits = parts
     ids, logprobs = np.empty(rows if greedy else 0, np.int64), np.empty(rows, np.float32)
     threads = match_torch_threads()
     _step_to_logits(plan.embedding_array, token_ids,

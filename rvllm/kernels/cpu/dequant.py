@@ -16,8 +16,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
-from rvllm.kernels.cpu_math import _bits_from_float, _float_from_bits
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.numerics import _bits_from_float, _float_from_bits
 
 _TWO_112 = np.float32(2.0 ** 112)
 

@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 
 _LOG2E = np.float32(1.4426950408889634)
 # ln 2 split in two so that n * _LN2_HI is exact for the |n| <= 128 used here.

@@ -2,10 +2,9 @@
 
 numba checks a cached function against the modification time and size of its own file
 only. A kernel that inlines functions of another module (the decoder step, the GEMV's
-dot products; the batch step, the decode attention) or compiles in another module's
-constant (``layers/backend.py``) kept its stale machine code when only that other
-module changed, say by a ``git pull``, and ran the old code. Importing this module
-(every ``cpu_*`` kernel module does, before its first ``njit``) makes numba check the
+dot products; the batch step, the decode attention) kept its stale machine code when
+only that other module changed, say by a ``git pull``, and ran the old code. Importing
+this module (every kernel module here does, before its first ``njit``) makes numba check the
 kernels' cached code against a digest of all of those sources instead: any change to
 any of them compiles every kernel afresh (minutes, once: ``scripts/setup.sh``). Where
 the cache lives is numba's choice as before (``NUMBA_CACHE_DIR``, else beside the
@@ -20,7 +19,7 @@ from pathlib import Path
 from numba.core import caching
 
 _KERNELS = Path(__file__).resolve().parent
-_SOURCES = sorted(_KERNELS.glob("*.py")) + [_KERNELS.parent / "layers" / "backend.py"]
+_SOURCES = sorted(_KERNELS.glob("*.py"))
 
 
 def _sources_digest() -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from rvllm.kernels import (
+from rvllm.kernels.triton import (
     activation,
     decode_attention,
     greedy,
@@ -138,3 +138,4 @@ def run_check(name: str, device: torch.device, dtype: torch.dtype) -> None:
             err = (g.float() - w.float()).abs().max().item()
             raise RuntimeError(f"Triton kernel {name} does not match its plain-torch reference "
                                f"{where} (max abs error {err:.3g}, tolerance {tol}). {advice}")
+

@@ -35,7 +35,7 @@ huge pages when the layer's deferred reorder runs (``layers.cpu_linear``).
 Float32 accumulation: the same numbers as ``F.linear`` up to the order of the sums.
 ``_matvec`` also takes a few rows of x at once (each panel read from memory once for all
 of them, from the cache again for every fourth row) and a bias: the compiled decoder
-step (``cpu_decoder_step``) calls it too.
+step (``decoder_step``) calls it too.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from rvllm.host_memory import empty_huge_pages
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
-from rvllm.kernels.cpu_vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
 
 PANEL = LANES  # output rows a panel holds: one vector of each column
 ROWS = 4  # rows of x a panel's pass takes at most (their sums stay in registers)

@@ -4,7 +4,7 @@ A prompt's (or a chunk's) queries attend to its context and to their own rows, e
 the keys at or before its position (within the sliding window, if any). torch's SDPA on
 the CPU ran these at 46-55 GFLOP/s on this Zen 2 (SmolLM2's heads, 290 to 512 tokens),
 and serving's replay spent a tenth of its time there. This kernel runs them as small
-register-blocked matrix products (``cpu_vectors.rows_times_tile``) at 95-120 GFLOP/s.
+register-blocked matrix products (``vectors.rows_times_tile``) at 95-120 GFLOP/s.
 
 One work item is one KV head and one tile of 16 query positions, for all the query heads
 that share the KV head (GQA: group x 16 rows, each key read once for them). Two passes
@@ -26,9 +26,10 @@ import numpy as np
 import torch
 from numba import prange
 
-from rvllm.kernels import match_torch_threads, numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu_math import exp32, row_max
-from rvllm.kernels.cpu_vectors import LANES, rows_times_tile, supports
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
+from rvllm.kernels.cpu.numerics import exp32, row_max
+from rvllm.kernels.cpu.threads import match_torch_threads
+from rvllm.kernels.cpu.vectors import LANES, rows_times_tile, supports
 
 
 @numba.njit(parallel=True, cache=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rvllm.kernels import dot_precision
+from rvllm.kernels.triton.decode_attention import dot_precision
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 
 
 @numba.njit(parallel=True, cache=True)

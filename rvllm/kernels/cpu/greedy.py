@@ -5,7 +5,7 @@ The torch path takes an argmax, then a logsumexp and a gather for the logprob: t
 passes over the logits and a few dispatches, a few tenths of a millisecond per decode
 step of one sequence (a 32k-49k vocabulary), which at that size is several percent of
 the step. Here, per row: the max (a vectorised reduction), the first index holding it
-(as ``torch.argmax``), and the sum of exp(x - max) (``cpu_math.exp32``). The chosen
+(as ``torch.argmax``), and the sum of exp(x - max) (``numerics.exp32``). The chosen
 token is the max, so its logprob is -log(sum). Rows run on numba's threads. The torch
 path (``layers.sampler``) is the reference it is tested against.
 """
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from numba import prange
 
-from rvllm.kernels import numba_cache  # noqa: F401 - stamps the kernels' cache
-from rvllm.kernels.cpu_math import exp32
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.numerics import exp32
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
