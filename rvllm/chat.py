@@ -10,8 +10,7 @@ from typing import TextIO
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
              stdout: TextIO | None = None) -> int:
-    from rvllm.cli import sampling_params_from
-    from rvllm.cli_args import engine_args_from_namespace
+    from rvllm.cli_args import engine_args_from_namespace, sampling_params_from
     from rvllm.engine.llm_engine import LLMEngine
     from rvllm.startup import resume_collector
 

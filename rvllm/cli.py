@@ -6,28 +6,13 @@ import argparse
 import sys
 import time
 
-from rvllm.cli_args import add_engine_args, engine_args_from_namespace
+from rvllm.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_args_from_namespace,
+    sampling_params_from,
+)
 from rvllm.startup import resume_collector
-
-
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
-
-
-def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201 - SamplingParams
-    from rvllm.sampling_params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

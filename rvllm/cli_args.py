@@ -1,4 +1,5 @@
-"""Engine flags shared by every command, with vLLM's names."""
+"""Flags shared by the commands, with vLLM's names: the engine's, and the sampling ones of
+`rvllm generate` and `rvllm chat`."""
 
 from __future__ import annotations
 
@@ -114,4 +115,24 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         show_progress=True,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
+
+
+def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201 - SamplingParams
+    from rvllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        min_p=ns.min_p, repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed,
     )

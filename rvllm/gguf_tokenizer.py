@@ -17,16 +17,13 @@ vocabulary ("llama") adds a leading "▁" unless `tokenizer.ggml.add_space_prefi
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from rvllm.models.gguf_file import GGUFFile, open_gguf
-
-if TYPE_CHECKING:
-    from rvllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -330,11 +327,9 @@ _ADD_BOS_PRE = frozenset(
 )  # fmt: skip
 
 
-def tokenizer_from_gguf(source: "str | os.PathLike[str] | GGUFFile") -> "Tokenizer":
-    """The rvllm `Tokenizer` described by a GGUF file's metadata, chat template included."""
-    # Imported here so rvllm.tokenizer may itself dispatch to this module for .gguf paths.
-    from rvllm.tokenizer import Tokenizer
-
+def gguf_tokenizer_args(source: "str | os.PathLike[str] | GGUFFile") -> dict[str, Any]:
+    """The arguments of the rvllm `Tokenizer` that a GGUF file's metadata describes, chat
+    template included (``tokenizer.tokenizer_from_gguf`` makes it)."""
     gguf = open_gguf(source)
     meta = gguf.metadata
     try:
@@ -355,8 +350,8 @@ def tokenizer_from_gguf(source: "str | os.PathLike[str] | GGUFFile") -> "Tokeniz
         or meta.get("tokenizer.ggml.pre") in _ADD_BOS_PRE
     )
     arch = meta.get("general.architecture")
-    return Tokenizer(
-        backend,
+    return dict(
+        backend=backend,
         bos_token=_special_token(meta, tokens, "bos"),
         eos_token=_special_token(meta, tokens, "eos"),
         pad_token=_special_token(meta, tokens, "padding"),

@@ -322,6 +322,14 @@ class IncrementalDetokenizer:
         return delta
 
 
+def tokenizer_from_gguf(source: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes, chat template included
+    (``gguf_tokenizer``: llama.cpp's vocabularies as a ``tokenizers`` pipeline)."""
+    from rvllm.gguf_tokenizer import gguf_tokenizer_args
+
+    return Tokenizer(**gguf_tokenizer_args(source))
+
+
 def load_tokenizer(model_path: str, gguf_file: str | None, tokenizer: str | None = None,
                    chat_template: str | None = None) -> Tokenizer:
     """The tokenizer a model is served with: the one at ``tokenizer`` (a directory) when
@@ -329,8 +337,6 @@ def load_tokenizer(model_path: str, gguf_file: str | None, tokenizer: str | None
     by ``chat_template`` (a file, or the template itself) when given. Needs no torch, so the
     server's front process loads it while the engine process loads the model."""
     if tokenizer is None and gguf_file is not None:
-        from rvllm.gguf_tokenizer import tokenizer_from_gguf
-
         loaded = tokenizer_from_gguf(gguf_file)
     else:
         loaded = Tokenizer.from_pretrained(tokenizer or model_path)

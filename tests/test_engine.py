@@ -326,13 +326,13 @@ def test_a_short_first_request_does_not_wait_for_the_deferred_packing(llama_dir:
 
 def test_idle_work_waits_until_the_engine_has_been_quiet(llama_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from rvllm.engine import llm_engine
+    from rvllm.engine import idle_work
 
     llm = LLM(str(llama_dir), defer_weight_packing=True)
-    monkeypatch.setattr(llm_engine, "IDLE_WORK_AFTER_S", 60.0)
+    monkeypatch.setattr(idle_work, "IDLE_WORK_AFTER_S", 60.0)
     greedy(llm, make_prompts(lens=(3,)), n=2)
     assert 59.0 < llm.engine.idle_work_due_in() <= 60.0  # counted from the last step
-    monkeypatch.setattr(llm_engine, "IDLE_WORK_AFTER_S", 0.0)
+    monkeypatch.setattr(idle_work, "IDLE_WORK_AFTER_S", 0.0)
     assert llm.engine.idle_work_due_in() == 0.0
 
 
@@ -380,15 +380,15 @@ def test_idle_work_faults_in_the_cache_blocks_to_be_used_next(llama_dir: Path) -
     to ``KV_POPULATE_AHEAD_BYTES``), so that a decode step does not pay for the pages its
     first writes touch. The blocks' contents are unchanged, in use or not, and the
     tokens stay transformers'."""
-    from rvllm.engine import llm_engine
+    from rvllm.engine import idle_work
 
     llm = LLM(str(llama_dir))
     engine, bm = llm.engine, llm.engine.block_manager
     prompts = make_prompts()
     assert greedy(llm, prompts) == reference(llama_dir)
     used = bm.fresh_from
-    assert used > 0 and engine._kv_populated_to == 0
-    ahead = llm_engine.KV_POPULATE_AHEAD_BYTES // engine._kv_block_bytes
+    assert used > 0 and engine.idle.kv_populated_to == 0
+    ahead = idle_work.KV_POPULATE_AHEAD_BYTES // engine.idle.kv_block_bytes
     window = min(bm.num_blocks, used + ahead)
 
     def blocks() -> list[torch.Tensor]:  # the bytes of the blocks in use and the window's
@@ -401,11 +401,11 @@ def test_idle_work_faults_in_the_cache_blocks_to_be_used_next(llama_dir: Path) -
         engine.idle_work()
         slices += 1
         assert slices < 10_000
-    if engine._kv_block_bytes == 0:
+    if engine.idle.kv_block_bytes == 0:
         pytest.skip("no MADV_POPULATE_WRITE here")
-    assert engine._kv_populated_to == window
+    assert engine.idle.kv_populated_to == window
     assert all(torch.equal(a, b) for a, b in zip(caches, blocks()))  # what is there stays
     assert greedy(llm, prompts) == reference(llama_dir)
     assert bm.fresh_from > used  # fresh blocks were taken: the window moves on with them
     assert engine.has_idle_work == (min(bm.num_blocks, bm.fresh_from + ahead)
-                                    > engine._kv_populated_to)
+                                    > engine.idle.kv_populated_to)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from rvllm.gguf_tokenizer import build_gguf_backend, tokenizer_from_gguf
+from rvllm.gguf_tokenizer import build_gguf_backend
 from rvllm.models.default_model import (
     DEFAULT_MODEL_PACKAGE,
     default_model_path,
@@ -19,6 +19,7 @@ from rvllm.models.default_model import (
 )
 from rvllm.models.dequant import dequantize
 from rvllm.models.gguf_loader import GGUFFile, iter_gguf_tensors, load_gguf_config, open_gguf
+from rvllm.tokenizer import tokenizer_from_gguf
 
 TEXTS = [
     "Hello world",
@@ -633,7 +634,7 @@ def test_our_ggml_type_table_is_the_gguf_package_s() -> None:
     """rvllm reads GGUF files without importing the ``gguf`` package (start-up time): its
     type ids, names and block sizes are ours, and must stay the format's (a newer package
     may know types ours does not: a file holding one fails as an unknown type)."""
-    from rvllm.models.gguf_file import GGML_BLOCK_SIZES, GGMLType
+    from rvllm.models.ggml_types import GGML_BLOCK_SIZES, GGMLType
 
     theirs = {t.name: int(t) for t in GGMLQuantizationType}
     assert {t.name: int(t) for t in GGMLType}.items() <= theirs.items()

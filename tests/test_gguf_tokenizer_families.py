@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from rvllm.gguf_tokenizer import tokenizer_from_gguf
+from rvllm.tokenizer import tokenizer_from_gguf
 
 TEXTS = [
     "Hello world",

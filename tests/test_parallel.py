@@ -75,7 +75,7 @@ def test_check_alive_waits_for_an_exit_that_lags_the_broken_socket() -> None:
     reported; the engine then waits a grace period to classify the failure as fatal."""
     import multiprocessing
 
-    from rvllm.executor.parallel import TensorParallelGroup
+    from rvllm.executor.tp_workers import TensorParallelGroup
 
     group = object.__new__(TensorParallelGroup)
     group.procs = [multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.5,),

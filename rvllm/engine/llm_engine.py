@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rvllm import deferred_imports
 from rvllm.config import (
     CacheConfig,
     EngineArgs,
     ModelConfig,
-    SchedulerConfig,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
 from rvllm.engine.block_manager import BlockManager
+from rvllm.engine.engine_startup import (
+    check_scheduler_steps,
+    preemption_mode,
+    scheduler_config,
+    select_kernels,
+    start_tensor_parallel,
+)
+from rvllm.engine.idle_work import IdleWork
 from rvllm.engine.scheduler import Scheduler, SchedulerOutput
 from rvllm.engine.sequence import Sequence, SequenceStatus
 from rvllm.engine.stop import check_stop
@@ -31,20 +36,12 @@ from rvllm.inputs import PromptType
 from rvllm.layers.cpu_linear import (
     PENDING_GEMM_MAX_ROWS,
     finish_linear_weights,
-    has_pending_reorders,
     reorder_pending,
 )
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-
-# How long an engine must have had nothing to step before it does its deferred work.
-IDLE_WORK_AFTER_S = 0.25
-# Idle work keeps the CPU cache memory of this many bytes of the blocks to be handed out
-# next faulted in (``ModelRunner.populate_kv_cache``), this many at a time.
-KV_POPULATE_AHEAD_BYTES = 64 << 20
-KV_POPULATE_CHUNK_BYTES = 1 << 20
 
 logger = logging.getLogger("rvllm")
 
@@ -84,10 +81,10 @@ class LLMEngine:
         self.startup_phases: dict[str, float] = {}
         phase = time.perf_counter()
         # The numba kernels load from numba's cache on a thread of their own meanwhile.
-        self.kernel_backend, warming = _select_kernels(args.kernel_backend, self.device, dtype,
+        self.kernel_backend, warming = select_kernels(args.kernel_backend, self.device, dtype,
                                                        kv_dtype, args.quantization == "int8",
                                                        args.num_scheduler_steps > 1)
-        _check_scheduler_steps(args, self.kernel_backend)
+        check_scheduler_steps(args, self.kernel_backend)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -100,7 +97,7 @@ class LLMEngine:
             gpu_memory_reserve_gb=args.gpu_memory_reserve_gb,
             enable_prefix_caching=args.enable_prefix_caching,
         )
-        self.scheduler_config = _scheduler_config(args, self.model_config.max_model_len)
+        self.scheduler_config = scheduler_config(args, self.model_config.max_model_len)
         # One GPU, no block count given: size the cache from a profiling pass after loading.
         # Otherwise size it now: tensor-parallel workers need the count to start loading.
         profile = (self.device.type == "cuda" and args.num_gpu_blocks is None
@@ -111,7 +108,7 @@ class LLMEngine:
                                               self.scheduler_config, self.device,
                                               tensor_parallel_size=args.tensor_parallel_size)
             self._check_capacity(num_blocks)
-        self.tp_group = _start_tensor_parallel(args, self.model_config, num_blocks, self.device)
+        self.tp_group = start_tensor_parallel(args, self.model_config, num_blocks, self.device)
         try:
             # fbgemm's packing of the linear weights (--quantization) goes on on threads
             # outside the GIL while the tokenizer loads: SmolLM2 int8's engine start
@@ -155,7 +152,7 @@ class LLMEngine:
             if self.tp_group is not None:
                 self.tp_group.shutdown()  # never leave workers or the process group behind
             raise
-        mode = _preemption_mode(args)
+        mode = preemption_mode(args)
         if mode == "swap":
             self.runner.allocate_swap_space(args.num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
@@ -171,11 +168,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
-        self._last_step = time.monotonic()  # for idle_work_due_in
-        # Cache blocks [0, _kv_populated_to) have their memory (idle work, or their use).
-        self._kv_populated_to = 0
-        self._kv_block_bytes = (self.runner.kv_cache_block_bytes()
-                                if self.device.type == "cpu" and self.tp_group is None else 0)
+        self.idle = IdleWork(self.model, self.runner, self.block_manager,
+                             self.runner.kv_cache_block_bytes()
+                             if self.device.type == "cpu" and self.tp_group is None else 0)
         self.startup_seconds = time.perf_counter() - start
         linear = self.model.linear_backend
         if self.kernel_backend == "numba" and linear in ("onednn", "int8"):
@@ -361,60 +356,17 @@ class LLMEngine:
 
     @property
     def has_idle_work(self) -> bool:
-        """Whether ``idle_work`` has something to do (``defer_weight_packing``, or the
-        torch modules ``rvllm.deferred_imports`` left out of this process's start, or the
-        memory of the cache blocks to be used next: ``_populate_kv_cache``)."""
-        return (has_pending_reorders(self.model) or deferred_imports.has_deferred()
-                or self._kv_blocks_to_populate()[1] > 0)
+        """Whether ``idle_work`` has something to do (``engine.idle_work.IdleWork``)."""
+        return self.idle.pending()
 
     def idle_work_due_in(self) -> float:
-        """Seconds until a loop with nothing to step should call ``idle_work``: not before
-        the engine has stepped nothing for ``IDLE_WORK_AFTER_S``. A client that sends its
-        first request as the server comes up then finds the engine free, not in a layer's
-        packing (the first took 60-100 ms); so does the next request of a busy client."""
-        return max(0.0, self._last_step + IDLE_WORK_AFTER_S - time.monotonic())
+        """Seconds until a loop with nothing to step should call ``idle_work``."""
+        return self.idle.due_in()
 
     def idle_work(self, seconds: float = 0.02) -> None:
         """About ``seconds`` of the work start-up left for later, for a caller with no
-        request to step: the linear weights' packing (``EngineArgs.defer_weight_packing``;
-        under load ``step`` does it a layer at a time instead), then one of the deferred
-        torch modules (0.05-0.15 s each), then the next fresh cache blocks' memory."""
-        if has_pending_reorders(self.model):
-            reorder_pending(self.model, seconds=seconds)
-        elif deferred_imports.has_deferred():
-            deferred_imports.import_next()
-        else:
-            self._populate_kv_cache(seconds)
-
-    def _kv_blocks_to_populate(self) -> tuple[int, int]:
-        """The first and the count of the next fresh cache blocks (``BlockManager.fresh_from``
-        on: those the free queue hands out first) not yet faulted in, up to
-        ``KV_POPULATE_AHEAD_BYTES`` of them (a CPU cache only; a count of 0: none)."""
-        if self._kv_block_bytes <= 0:
-            return 0, 0
-        bm = self.block_manager
-        ahead = max(1, KV_POPULATE_AHEAD_BYTES // self._kv_block_bytes)
-        first = max(self._kv_populated_to, bm.fresh_from)
-        return first, max(0, min(bm.num_blocks, bm.fresh_from + ahead) - first)
-
-    def _populate_kv_cache(self, seconds: float) -> None:
-        """Fault in the memory of the next fresh cache blocks for about ``seconds``. On a
-        virtual machine whose host takes back free memory, a block's first writes inside
-        an N=1 decode step cost it 2-11 ms every fifth or sixth token (SmolLM2: 60 fresh
-        pages at once, every layer's keys and values), 2-6% of the decode's time."""
-        deadline = time.perf_counter() + seconds
-        chunk = max(1, KV_POPULATE_CHUNK_BYTES // self._kv_block_bytes)
-        while True:
-            first, count = self._kv_blocks_to_populate()
-            if count == 0:
-                return
-            count = min(chunk, count)
-            if not self.runner.populate_kv_cache(first, count):
-                self._kv_block_bytes = 0  # not on this system: nothing more to try
-                return
-            self._kv_populated_to = first + count
-            if time.perf_counter() >= deadline:
-                return
+        request to step (``engine.idle_work.IdleWork.run``)."""
+        self.idle.run(seconds)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
@@ -429,7 +381,7 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
-        self._last_step = time.monotonic()
+        self.idle.stepped()
         if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
             # Deferred oneDNN packing, under load: a layer a step, on steps that a packed
             # weight makes faster; a first request with a short prompt does not wait for
@@ -571,132 +523,6 @@ def _visible_text(seq: Sequence) -> str:
         return seq.text
     hold = max(len(s) for s in stops) - 1
     return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
-
-
-class _Warming(threading.Thread):
-    """The numba kernels loading (or compiling) on a thread while the engine loads the
-    tokenizer and the weights; ``join`` re-raises what the loading raised."""
-
-    def __init__(self, kv_dtype: torch.dtype, int8: bool, multi_step: bool) -> None:
-        super().__init__(name="rvllm-numba-warm-up", daemon=True)
-        self.error: BaseException | None = None
-        self.kv_dtype, self.int8, self.multi_step = kv_dtype, int8, multi_step
-        self.start()
-
-    def run(self) -> None:
-        from rvllm.kernels.cpu import warm_up_numba
-
-        start = time.perf_counter()
-        try:
-            warm_up_numba(self.kv_dtype, self.int8, self.multi_step)
-        except BaseException as error:  # noqa: BLE001 - handed to the joining thread
-            self.error = error
-            return
-        logger.info("numba kernels (decode attention, one-row GEMV, decoder steps) ready in "
-                    "%.1fs", time.perf_counter() - start)
-
-    def join(self, timeout: float | None = None) -> None:
-        super().join(timeout)
-        if self.error is not None:
-            raise self.error
-
-
-def _select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, int8: bool, multi_step: bool
-                    ) -> tuple[str, _Warming | None]:
-    """Choose the kernel backend and, for Triton, compile and check every kernel against
-    its reference once, so a broken kernel stops start-up instead of corrupting output.
-    The numba kernels start loading from numba's cache (or compiling) on a thread: join
-    it before the first step."""
-    from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
-
-    backend = resolve_kernel_backend(requested, device, dtype)
-    # Only the forms this engine runs: each one loaded is start-up time.
-    warming = _Warming(kv_dtype, int8, multi_step) if backend == "numba" else None
-    if backend == "triton":
-        from rvllm.kernels.triton import check_kernels
-
-        start = time.perf_counter()
-        checked = check_kernels(device, dtype)
-        logger.info("checked %d Triton kernels against their references in %.1fs",
-                    len(checked), time.perf_counter() - start)
-    set_kernel_backend(backend)
-    return backend, warming
-
-
-def _check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
-    """Multi-step decoding runs only in the CPU's compiled decode (numba kernels, one
-    rank): refuse it elsewhere rather than ignore it."""
-    if args.num_scheduler_steps > 1 and (kernel_backend != "numba"
-                                         or args.tensor_parallel_size > 1):
-        raise ValueError(
-            f"num_scheduler_steps={args.num_scheduler_steps} needs the CPU's numba decode "
-            f"path on one rank; this engine runs the {kernel_backend} kernels with "
-            f"tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
-
-
-def _preemption_mode(args: EngineArgs) -> str:
-    if args.num_cpu_blocks < 0:
-        raise ValueError(f"num_cpu_blocks must be >= 0, got {args.num_cpu_blocks}.")
-    mode = args.preemption_mode or ("swap" if args.num_cpu_blocks else "recompute")
-    if mode not in ("swap", "recompute"):
-        raise ValueError(f"preemption_mode must be swap or recompute, got {mode!r}.")
-    if mode == "swap" and not args.num_cpu_blocks:
-        raise ValueError("preemption_mode=swap needs CPU swap space: set --num-cpu-blocks.")
-    return mode
-
-
-def _start_tensor_parallel(args: EngineArgs, model_config: ModelConfig, num_blocks: int,
-                           device: torch.device):  # noqa: ANN202 - TensorParallelGroup | None
-    tp = args.tensor_parallel_size
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
-    if tp == 1:
-        from rvllm.distributed import set_tp
-
-        set_tp(0, 1)
-        return None
-    heads, kv_heads = model_config.num_heads, model_config.num_kv_heads
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(
-            f"the model's {heads} attention heads and {kv_heads} KV heads cannot be split "
-            f"over tensor_parallel_size={tp}: heads must divide by it, and KV heads must "
-            "divide by it or it by them."
-        )
-    for key in ("intermediate_size",):
-        size = model_config.hf_config.get(key)
-        if isinstance(size, int) and size % tp:
-            raise ValueError(f"{key}={size} does not divide by tensor_parallel_size={tp}.")
-    if device.type == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} found."
-        )
-    if args.distributed_executor_backend == "ray":
-        from rvllm.executor.ray_executor import RayTensorParallelGroup
-
-        return RayTensorParallelGroup(args, tp, num_blocks, device)
-    if args.distributed_executor_backend != "mp":
-        raise ValueError(
-            f"distributed_executor_backend must be mp or ray, got "
-            f"{args.distributed_executor_backend!r}."
-        )
-    from rvllm.executor.parallel import TensorParallelGroup
-
-    return TensorParallelGroup(args, tp, num_blocks, device)
-
-
-def _scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
-    if not args.enable_chunked_prefill and budget < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
-            f"({max_model_len}) with chunked prefill off: long prompts could never run. "
-            "Raise it or enable chunked prefill."
-        )
-    return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill,
-                           args.num_scheduler_steps)
 
 
 def _as_list(value: Any) -> list[int]:

@@ -103,5 +103,5 @@ def empty_cpu_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     ``rvllm serve``'s engine process. With 4 KiB pages the first requests touch only the
     pages their blocks are in. Those first writes still cost a decode step 40-80 us a
     fresh page there; the engine's idle work faults in the blocks it will hand out next
-    beforehand (``LLMEngine._populate_kv_cache``)."""
+    beforehand (``engine.idle_work.IdleWork``)."""
     return torch.empty(shape, dtype=dtype)

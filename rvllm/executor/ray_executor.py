@@ -19,8 +19,8 @@ from rvllm.executor.parallel import (
     init_distributed,
     send_stop,
     threads_per_rank,
-    worker_main,
 )
+from rvllm.executor.tp_workers import worker_main
 
 
 def _ray() -> Any:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rvllm.models.gguf_file import GGML_BLOCK_SIZES, GGMLType, ggml_type_name, tensor_nbytes
+from rvllm.models.ggml_types import GGML_BLOCK_SIZES, GGMLType, ggml_type_name, tensor_nbytes
 
 # Big tensors are decoded in slices of this many blocks so the temporaries stay small.
 _CHUNK_BLOCKS = 1 << 16
