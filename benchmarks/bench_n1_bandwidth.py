@@ -13,14 +13,14 @@ alternates two measurements so a drift in the machine's speed reaches both alike
   decoding), in turns with the first; with ``--idle``, after the engine's idle work (what
   a server's engine does when it has nothing to step: the memory of the cache blocks it
   hands out next is faulted in, not written for the first time inside the steps).
-A token's weight bytes over its median time (per round: the round's time over its tokens),
-as a share of the fastest read's median rate, is the "share of the bandwidth limit" of
-issue 6. The step also reads the sequence's KV cache, which grows with it: the share with
-those bytes counted too is printed beside it. Where the memory's speed drifts from second
-to second (a shared host), the medians of the two come from different moments; so each
-round's rate is also set against the reads on either side of it (the fastest kind's
-median of each batch of reads, the two batches averaged), and the median of those paired
-shares is printed too.
+A token's weight bytes over its median time (per round: the round's time over its
+tokens), as a share of the fastest read's median rate, is the "share of the bandwidth
+limit" that docs/benchmarks.md reports. The step also reads the sequence's KV cache,
+which grows with it: the share with those bytes counted too is printed beside it. Where
+the memory's speed drifts from second to second (a shared host), the medians of the two
+come from different moments; so each round's rate is also set against the reads on
+either side of it (the fastest kind's median of each batch of reads, the two batches
+averaged), and the median of those paired shares is printed too.
 
     python benchmarks/bench_n1_bandwidth.py --model MODEL [--quantization int8] [--rounds 5]
         [--num-scheduler-steps 8] [--idle]

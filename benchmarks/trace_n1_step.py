@@ -1,5 +1,5 @@
 """Where an N=1 decode step's time goes, phase by phase, beside a read of its weights'
-bytes (issue 6, session 25).
+bytes.
 
 The one-row step runs in one parallel region (``kernels/cpu/decoder_step.py: _one_region``).
 This script copies the package into a scratch folder, has each of the region's threads
@@ -122,7 +122,7 @@ def instrument(source: str) -> str:
     source = source[:begin] + region + source[end:]
     # _step_to_logits passes the trace on; the other callers pass a scratch one.
     begin = source.index("def _step_to_logits(")
-    call = source.index("def _linears(")
+    call = source.index("def stack_linears(")
     caller = _replace_once(source[begin:call], "greedy_logprobs, parts):",
                            "greedy_logprobs, parts, trace):")
     caller = _replace_once(caller, "        _one_region(*args)\n",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 7), for a CUDA machine with only PyTorch, Triton and
+# The prepared GPU check, for a CUDA machine with only PyTorch, Triton and
 # transformers installed. Steps, each under its own time limit and all within 8 minutes:
 #   1. the kernel and CUDA-graph tests, natively (no TRITON_INTERPRET; pytest if present,
 #      else scripts/run_tests.py's stand-in)
