@@ -42,6 +42,7 @@ GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
     "qwen3_moe": ("qwen3moe", dict(mlp_only_layers=[], norm_topk_prob=True)),
     "deepseek_v2": ("deepseek2", {}),
+    "deepseek_v2_lite": ("deepseek2", {}),
 }
 
 
@@ -59,7 +60,8 @@ def tiny_model(family: str, vocab_size: int):
     overrides, seed = FAMILIES[family][:2]
     kwargs = {**BASE, **overrides, **GGUF_FAMILIES[family][1], "vocab_size": vocab_size,
               "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "sliding_window"}
+    kwargs = {k: v for k, v in kwargs.items()
+              if v is not None or k in ("sliding_window", "q_lora_rank")}
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -183,7 +185,8 @@ def write_metadata(w: gguf.GGUFWriter, arch: str, cfg, legacy_mla: bool = False)
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         w.add_leading_dense_block_count(cfg.first_k_dense_replace)
         w.add_vocab_size(cfg.vocab_size)
-        w.add_q_lora_rank(cfg.q_lora_rank)
+        if cfg.q_lora_rank is not None:  # as the converter: V2-Lite writes none
+            w.add_q_lora_rank(cfg.q_lora_rank)
         w.add_kv_lora_rank(cfg.kv_lora_rank)
         if legacy_mla:
             w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)

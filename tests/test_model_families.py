@@ -3,6 +3,8 @@ engine batches: whole prompts, chunked prefill, and under preemption."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +31,26 @@ BASE = dict(
 FAMILIES: dict[str, tuple] = {
     "qwen3": (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16,
                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), 0),
+    # Qwen2 slides only from max_window_layers on, and only under use_sliding_window.
+    "qwen2_sliding": (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                           use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+                      0),
+    # YaRN on a Llama-shaped model, as Qwen2.5 and Qwen3 are told to extend their context.
+    "qwen2_yarn": (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 64}), 0),
+    # attention_bias puts a bias on o_proj too (unlike Qwen2's), mlp_bias on all three MLP
+    # projections.
+    "llama_biases": (dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                          attention_bias=True, mlp_bias=True), 0),
     "gemma": (dict(architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=16), 0),
     "gemma2": (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16,
                     query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=2.0,
                     final_logit_softcapping=3.0, num_hidden_layers=3), 0),
+    "gemma2_no_softcaps": (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                                head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                attn_logit_softcapping=None, final_logit_softcapping=None,
+                                num_hidden_layers=3), 0),
     "gemma3": (dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16,
                     query_pre_attn_scalar=24, sliding_window=WINDOW, num_hidden_layers=3,
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -76,13 +94,26 @@ FAMILIES: dict[str, tuple] = {
                                        "original_max_position_embeddings": 64,
                                        "mscale": 0.707, "mscale_all_dim": 0.707,
                                        "beta_fast": 32, "beta_slow": 1}), 0),
+    # DeepSeek-V2-Lite's shape: a plain q_proj (no query LoRA) and ungrouped routing.
+    "deepseek_v2_lite": (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                              num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=2,
+                              moe_intermediate_size=32, first_k_dense_replace=1,
+                              topk_method="greedy", n_group=1, topk_group=1,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 64,
+                                            "mscale": 0.707, "mscale_all_dim": 0.707,
+                                            "beta_fast": 32, "beta_slow": 1}), 0),
 }
 
 
-def build_family(name: str, out_dir: Path) -> Path:
+def build_family(name: str, out_dir: Path, spec: tuple | None = None) -> Path:
+    """The family's tiny random model, or with ``spec`` (its FAMILIES-style entry) a
+    variant of it tested apart."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    overrides, seed = FAMILIES[name][:2]
+    overrides, seed = (spec or FAMILIES[name])[:2]
     kwargs = {**BASE, **overrides}
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
@@ -217,6 +248,8 @@ YARN = dict(qk_rope_head_dim=8, rope_scaling={
     ("phi3", LONGROPE, 12, None, 128, None),  # within the pretraining length: short factors
     ("phi3", LONGROPE, 12, None, 256, 129),  # beyond it: long factors
     ("deepseek_v2", YARN, 8, None, 256, None),
+    ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 64}), 16, None, 256, None),
     ("gemma4_text", dict(head_dim=16, global_head_dim=32), 32, "full_attention", 256, None),
 ])
 def test_scaled_rope_frequencies_match_transformers(
@@ -239,6 +272,35 @@ def test_scaled_rope_frequencies_match_transformers(
     inv_freq, scale = inv_freq_and_scale(dim, params, max_position, cfg["max_position_embeddings"])
     torch.testing.assert_close(inv_freq, expected_freq)
     assert scale == pytest.approx(expected_scale)
+
+
+def test_longrope_past_the_pretraining_length_matches_transformers(tmp_path: Path) -> None:
+    """An engine that may run past original_max_position_embeddings rotates with the long
+    factors throughout; transformers switches to them once a sequence is that long, so
+    prompts already past it see the long factors in both from the first token on."""
+    original = 32
+    overrides = {**FAMILIES["phi3"][0], "original_max_position_embeddings": original}
+    path = build_family("phi3", tmp_path, (overrides, 0))
+    prompts = [p for p in make_prompts() if len(p) > original]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=128)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == hf_greedy(
+        path, prompts, NEW_TOKENS)
+
+
+def test_longrope_in_the_transformers_4_spelling_generates_alike(
+        family_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Phi-3 configs on the hub spell LongRoPE as transformers 4 wrote it: rope_scaling
+    with "type", rope_theta and original_max_position_embeddings at the top level."""
+    path = family_dir("phi3")
+    legacy = shutil.copytree(path, tmp_path / "phi3")
+    cfg = json.loads((legacy / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = {"type": "longrope", "long_factor": rope["long_factor"],
+                           "short_factor": rope["short_factor"]}
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    assert greedy(engine("phi3", legacy)) == reference(path)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

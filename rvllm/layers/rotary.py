@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from rvllm.layers.rope_frequencies import SUPPORTED_ROPE_TYPES, inv_freq, inv_freq_and_scale
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -24,33 +23,13 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     params["rope_type"] = rope_type
+    if rope_type == "yarn" and not params.get("factor"):
+        # Without a factor (DeepSeek-V3's spelling) transformers takes the ratio of the
+        # context lengths.
+        original = (params.get("original_max_position_embeddings")
+                    or hf_config["original_max_position_embeddings"])
+        params["factor"] = hf_config["max_position_embeddings"] / original
     return params
-
-
-def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    base = float(params["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base**exponents)
-    if params["rope_type"] == "linear":
-        inv_freq = inv_freq / float(params["factor"])
-    elif params["rope_type"] == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, params)
-    return inv_freq
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept,
-    # and the band between is interpolated smoothly.
-    factor = float(params["factor"])
-    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    old_len = float(params["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +46,17 @@ def _cos_sin(head_dim: int, max_position: int, params: dict[str, Any]) -> tuple[
     # Every layer of a model uses the same tables: build them once.
     key = (head_dim, max_position, str(torch.get_default_device()), repr(sorted(params.items())))
     if key not in _TABLES:
-        inv_freq = _inv_freq(head_dim, params)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        scale = 1.0
+        if params["rope_type"] == "yarn":
+            freqs_inv, scale = inv_freq_and_scale(head_dim, params, max_position, max_position)
+        else:
+            freqs_inv = inv_freq(head_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), freqs_inv)
         emb = torch.cat((freqs, freqs), dim=-1)
-        _TABLES[key] = (emb.cos(), emb.sin())
+        # YaRN's attention factor scales cos and sin, as transformers applies it: every
+        # path that reads these tables (the compiled CPU step, Triton's fused write) gets
+        # it for free.
+        _TABLES[key] = (emb.cos() * scale, emb.sin() * scale)
     return _TABLES[key]
 
 

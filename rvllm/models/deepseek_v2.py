@@ -19,7 +19,13 @@ from rvllm.layers.mla import LatentAttention
 from rvllm.layers.moe import SparseMoeBlock
 from rvllm.layers.norm import RMSNorm
 from rvllm.layers.rotary_scaled import ScaledRotaryEmbedding, rope_type_of
-from rvllm.models.base import DecoderModel, MoECausalLM, PreNormDecoderLayer, num_routed_experts
+from rvllm.models.base import (
+    QKV_GATE_UP,
+    DecoderModel,
+    MoECausalLM,
+    PreNormDecoderLayer,
+    num_routed_experts,
+)
 from rvllm.models.llama import LlamaMLP
 
 
@@ -101,6 +107,10 @@ def deepseek_mlp(cfg: dict[str, Any], layer: int) -> nn.Module:
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
+    # MLA has no fused q/k/v: without a query LoRA (V2-Lite) the checkpoint's q_proj is a
+    # projection of its own, which the q/k/v folding would send to a missing qkv_proj.
+    stacked_params = tuple(p for p in QKV_GATE_UP if p[0] != ".qkv_proj.")
+
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         layers = [PreNormDecoderLayer(cfg, DeepseekV2MLAttention(cfg, max_position),
                                       deepseek_mlp(cfg, i))

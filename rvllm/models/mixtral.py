@@ -10,19 +10,19 @@ import torch
 
 from rvllm.layers.moe import SparseMoeBlock
 from rvllm.models.base import DecoderModel, MoECausalLM, PreNormDecoderLayer, num_routed_experts
-from rvllm.models.llama import LlamaAttention
+from rvllm.models.llama import LlamaAttention, layer_windows
 
 
 class MixtralForCausalLM(MoECausalLM):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         layers = [
             PreNormDecoderLayer(
-                cfg, LlamaAttention(cfg, max_position),
+                cfg, LlamaAttention(cfg, max_position, window),
                 SparseMoeBlock(cfg["hidden_size"], num_routed_experts(cfg),
                                cfg["intermediate_size"], cfg["num_experts_per_tok"],
                                renormalize=True),
             )
-            for _ in range(cfg["num_hidden_layers"])
+            for window in layer_windows(cfg)
         ]
         super().__init__(cfg, DecoderModel(cfg, layers))
 

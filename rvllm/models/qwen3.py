@@ -12,23 +12,8 @@ from rvllm.layers.attention import Attention
 from rvllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from rvllm.layers.norm import RMSNorm
 from rvllm.layers.rotary import RotaryEmbedding, rope_parameters
-from rvllm.models.base import (
-    CausalLM,
-    DecoderModel,
-    PreNormDecoderLayer,
-    layer_types,
-    layer_window,
-)
-from rvllm.models.llama import LlamaMLP
-
-
-def qwen3_layer_types(cfg: dict[str, Any]) -> list[str]:
-    if cfg.get("layer_types"):
-        return layer_types(cfg)
-    n, first = cfg["num_hidden_layers"], cfg.get("max_window_layers", 0)
-    sliding = cfg.get("use_sliding_window", False) and cfg.get("sliding_window")
-    return ["sliding_attention" if sliding and i >= first else "full_attention"
-            for i in range(n)]
+from rvllm.models.base import CausalLM, DecoderModel, PreNormDecoderLayer, layer_window
+from rvllm.models.llama import LlamaMLP, qwen_layer_types
 
 
 class Qwen3Attention(nn.Module):
@@ -65,6 +50,6 @@ class Qwen3ForCausalLM(CausalLM):
                 LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"],
                          cfg.get("hidden_act", "silu")),
             )
-            for t in qwen3_layer_types(cfg)
+            for t in qwen_layer_types(cfg)
         ]
         super().__init__(cfg, DecoderModel(cfg, layers))

@@ -15,8 +15,8 @@ from rvllm.models.base import (
     layer_window,
     num_routed_experts,
 )
-from rvllm.models.llama import LlamaMLP
-from rvllm.models.qwen3 import Qwen3Attention, qwen3_layer_types
+from rvllm.models.llama import LlamaMLP, qwen_layer_types
+from rvllm.models.qwen3 import Qwen3Attention
 
 
 def qwen3_moe_mlp(cfg: dict[str, Any], layer: int) -> nn.Module:
@@ -34,6 +34,6 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         layers = [
             PreNormDecoderLayer(cfg, Qwen3Attention(cfg, max_position, layer_window(cfg, t)),
                                 qwen3_moe_mlp(cfg, i))
-            for i, t in enumerate(qwen3_layer_types(cfg))
+            for i, t in enumerate(qwen_layer_types(cfg))
         ]
         super().__init__(cfg, DecoderModel(cfg, layers))
