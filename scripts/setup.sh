@@ -26,6 +26,9 @@ inputs_digest() {  # $1: the mode
 done_before() {  # $1: the mode; whether its stamp records these inputs
   [ -f "$venv/.rvllm-setup-$1" ] && [ "$(cat "$venv/.rvllm-setup-$1")" = "$(inputs_digest "$1")" ]
 }
+# The tests' data from llama.cpp (real models' vocabularies, its GGUF converter): a cache
+# outside the venv, fetched once (a second run only checks it is there).
+if [ "$mode" = test ]; then python scripts/fetch_test_data.py; fi
 # A test setup covers a runtime one.
 if done_before "$mode" || { [ "$mode" = runtime ] && done_before test; }; then
   exit 0

@@ -223,11 +223,15 @@ def write_gguf(path: Path, arch: str, model, vocab: tuple[list, list, list]) -> 
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    # The keys the converter writes for each (test_gguf_converter.py holds the two equal):
+    # qwen2 and qwen3 files carry no rope dimension count nor vocabulary size, qwen2 no
+    # key and value lengths either.
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(config.vocab_size)
+    if arch != "qwen2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
