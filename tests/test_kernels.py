@@ -22,7 +22,7 @@ if DEVICE.type == "cpu":
         raise RuntimeError("rvllm.kernels.triton was imported before TRITON_INTERPRET=1 was set; "
                            "set it in tests/conftest.py or import the kernels lazily.")
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extras)")
 
 from rvllm.kernels import triton as kernels  # noqa: E402
 from rvllm.kernels.triton import KERNEL_NAMES, check, check_kernels  # noqa: E402

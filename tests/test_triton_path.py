@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
             os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("rvllm.kernels.triton was imported before TRITON_INTERPRET=1 was set.")
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extras)")
 
 from test_engine import greedy, make_prompts, reference  # noqa: E402
 
