@@ -104,15 +104,10 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
 
 
-# Tokens a request generates in the tests that kill an engine while it is generating:
-# the kill must land mid-stream, and on the test models a compiled CPU decode step takes
-# a fraction of a millisecond (240 tokens were done before the test had read the first).
-LONG_TOKENS = 3000
-
-
 @pytest.fixture(scope="session")
 def long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Llama test model with room for LONG_TOKENS-token requests."""
+    """The Llama test model with 4,096 positions: room for long prompts, and for requests
+    a test ends itself before they could finish."""
     return build_model("llama", tmp_path_factory.mktemp("models") / "long-llama",
                        max_positions=4096)
 

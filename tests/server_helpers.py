@@ -27,6 +27,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    """``timeout`` (to healthy) and ``stop``'s ``timeout`` are hang watchdogs: a start takes
+    seconds, an exit well under one (or the ``--shutdown-timeout`` a test gives)."""
+
     def __init__(self, model: Path | None, *extra: str, timeout: float = 120.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -94,6 +97,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Polls until ``predicate()`` holds. ``timeout`` is a hang watchdog: give one 10x and
+    more what the wait takes on a busy machine, never a bound that a test's meaning rests on."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

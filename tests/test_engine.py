@@ -326,12 +326,22 @@ def test_a_short_first_request_does_not_wait_for_the_deferred_packing(llama_dir:
 
 def test_idle_work_waits_until_the_engine_has_been_quiet(llama_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the test's clock: a slow machine's pause between the last step and the check
+    does not count."""
+    import time
+    from types import SimpleNamespace
+
     from rvllm.engine import idle_work
 
+    now = [1000.0]
+    monkeypatch.setattr(idle_work, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                           perf_counter=time.perf_counter))
     llm = LLM(str(llama_dir), defer_weight_packing=True)
     monkeypatch.setattr(idle_work, "IDLE_WORK_AFTER_S", 60.0)
+    now[0] = 2000.0
     greedy(llm, make_prompts(lens=(3,)), n=2)
-    assert 59.0 < llm.engine.idle_work_due_in() <= 60.0  # counted from the last step
+    now[0] += 1.0
+    assert llm.engine.idle_work_due_in() == 59.0  # counted from the last step
     monkeypatch.setattr(idle_work, "IDLE_WORK_AFTER_S", 0.0)
     assert llm.engine.idle_work_due_in() == 0.0
 

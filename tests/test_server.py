@@ -7,7 +7,15 @@ import httpx
 import openai
 import pytest
 import torch
-from server_helpers import API_KEY, HEADERS, MODEL_NAME, ServerProcess, scrape, sse_events
+from server_helpers import (
+    API_KEY,
+    HEADERS,
+    MODEL_NAME,
+    ServerProcess,
+    scrape,
+    sse_events,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -290,12 +298,20 @@ def test_metrics_count_the_requests_sent(server, client):
                                   temperature=0, extra_body={"ignore_eos": True})
     client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3,
                                    temperature=0, extra_body={"ignore_eos": True})
-    after = scrape(server.url)
     chat_prompt = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()["count"]
+    after = before
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
+    def counted() -> bool:
+        nonlocal after
+        after = scrape(server.url)
+        return delta("vllm:request_success_total{finished_reason=length}") == 2
+
+    # The server counts a step's outputs just after it has handed them out, so the client
+    # can have its answer before the count: wait for the count (a hang watchdog, 60 s).
+    assert wait_for(counted, 60.0)
     assert delta("vllm:prompt_tokens_total") == r.usage.prompt_tokens + chat_prompt
     assert delta("vllm:generation_tokens_total") == 10
     assert delta("vllm:request_success_total{finished_reason=length}") == 2
