@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,17 @@ def kernel_backend(request: pytest.FixtureRequest):
     backend.set_kernel_backend(getattr(request, "param", "torch"))
     yield backend._STATE["backend"]
     backend.set_kernel_backend(previous)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module of tiny models (``pytestmark = pytest.mark.
+    usefixtures("one_torch_thread")``): their matmuls run ~100x slower when two threads
+    contend for a busy 2-core machine. The count comes back for whatever runs next."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,8 @@ from test_model_families import BASE, FAMILIES
 
 from rvllm.models.gguf_loader import GGUFFile, iter_gguf_tensors, load_gguf_config
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 8
 PROMPT_LENS = (1, 5, 23)  # the longest runs past the sliding windows (16)
 
@@ -44,14 +46,6 @@ GGUF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2": ("deepseek2", {}),
     "deepseek_v2_lite": ("deepseek2", {}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(family: str, vocab_size: int):

@@ -16,6 +16,8 @@ from test_model_families import FAMILIES, build_family
 
 from rvllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 24
 LONG = dict(max_position_embeddings=4096)
 
@@ -49,16 +51,6 @@ PROMPTS: dict[str, list[int]] = {
     "1k": random_ids(1000, seed=4),
     "1.1k": random_ids(1100, seed=5),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Two threads contending for a busy 2-core machine make the tiny matmuls far slower;
-    # restored for whatever runs next.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

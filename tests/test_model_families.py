@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,8 @@ import torch
 from conftest import build_tokenizer, hf_greedy
 
 from rvllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 12
 PROMPT_LENS = (1, 5, 13, 22, 37, 70)  # several longer than the sliding windows below
@@ -129,16 +131,6 @@ def build_family(name: str, out_dir: Path, spec: tuple | None = None) -> Path:
     model.save_pretrained(out_dir)
     build_tokenizer(out_dir)
     return out_dir
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # The tiny matmuls here run ~100x slower when two threads contend for a busy 2-core
-    # machine; one thread keeps the file fast. Restored for whatever runs next.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
