@@ -41,9 +41,9 @@ ENV NUMBA_CACHE_DIR=/home/rvllm/.cache/numba
 RUN python -c "from rvllm.kernels.cpu import warm_up_numba; \
 warm_up_numba(multi_step=True, float32=False)" & int8_forms=$!; \
     python -c "from rvllm.kernels.cpu import warm_up_numba; \
-warm_up_numba(int8=False, multi_step=True)" \
+warm_up_numba(int8=False, multi_step=True, packed=True)" \
     && wait "$int8_forms" \
-    && python -c "from rvllm.kernels.cpu import warm_up_numba; warm_up_numba(multi_step=True)"
+    && python -c "from rvllm.kernels.cpu import warm_up_numba; warm_up_numba(multi_step=True, packed=True)"
 
 EXPOSE 8000
 # The start period covers a numba compile on a CPU the build did not see. The check

@@ -94,9 +94,9 @@ def instrument(source: str) -> str:
     ``_step_to_logits`` take an int64 array [threads, layers + 1, 16] last, which
     ``decode_logits`` passes (the module's ``TRACE``); each thread writes its cycle
     counter at ``POINTS`` into its row."""
-    source = _replace_once(source, "from numba.extending import intrinsic\n",
+    source = _replace_once(source, "from numba.extending import intrinsic, overload\n",
                            "from llvmlite import ir as llvmlite_ir\n"
-                           "from numba.extending import intrinsic\n")
+                           "from numba.extending import intrinsic, overload\n")
     source = _replace_once(source, "\n\n@numba.njit(cache=True, inline=\"always\")\ndef _weight(",
                            CYCLES + "\n\n@numba.njit(cache=True, inline=\"always\")\n"
                            "def _weight(")

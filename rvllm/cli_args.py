@@ -25,10 +25,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV-cache blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory", type=float, default=2.0,
                    help="GiB of KV cache on the CPU")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8", "fp8_e4m3"],
+                   default="auto",
                    help="what the KV cache stores keys and values as: auto = the compute "
                         "dtype; bfloat16 (CPU, float32 models) halves the cache's memory and "
-                        "decode attention's reads, attention still computing in float32")
+                        "decode attention's reads, attention still computing in float32; "
+                        "fp8 (GPU, Triton kernels) E4M3 with a scale per layer")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory rvllm may use")
     g.add_argument("--gpu-memory-reserve-gb", type=float, default=0.0,
@@ -70,10 +72,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="float32 linear layers on the CPU: onednn = weights repacked "
                         "(auto, when torch has oneDNN): in panels for the numba kernels, "
                         "else for oneDNN; torch = plain F.linear")
-    g.add_argument("--quantization", "-q", choices=["fp16", "int8"], default=None,
-                   help="CPU weight formats (fbgemm), set at load: fp16 = linear weights "
-                        "stored in float16, computed in float32; int8 = weights int8 per "
-                        "output channel, activations int8 per token")
+    g.add_argument("--quantization", "-q",
+                   choices=["gguf", "int8", "int4", "fp16", "fp8", "awq", "gptq",
+                            "compressed-tensors", "none"], default=None,
+                   help="weight format, set at load. Unset: a quantized GGUF file runs on "
+                        "its own blocks kept packed (gguf; CPU, float32), an AWQ/GPTQ/"
+                        "compressed-tensors checkpoint as its config says, anything else "
+                        "in --dtype. none = every weight widened to --dtype; int8 = int8 "
+                        "per output channel, activations per token (CPU); int4 = 4-bit "
+                        "groups made at load (round-to-nearest); fp16 = float16 weights "
+                        "computed in float32 (CPU); fp8 = E4M3 weights (GPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many worker processes (one per GPU, "
                         "or per group of CPU cores)")

@@ -42,7 +42,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, _DTYPES[dtype])
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -50,7 +50,10 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
     ``bfloat16`` stores them rounded to bfloat16 while attention still computes in the
     compute dtype: half a float32 cache's bytes, so twice the tokens in
     ``--kv-cache-memory`` and half the memory traffic of decode attention. A GPU takes
-    only its compute dtype (its kernels read the cache as such)."""
+    only its compute dtype (its kernels read the cache as such), or ``fp8`` (alias
+    ``fp8_e4m3``, vLLM's names): float8 E4M3 with a scale per layer for the keys and one
+    for the values (``kernels.triton.kv_fp8``), half a bfloat16 cache's bytes, read by the
+    Triton kernels; the CPU has no FP8 path."""
     import torch
 
     if name not in KV_CACHE_DTYPES:
@@ -58,6 +61,11 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
                          f"got {name!r}.")
     if name == "auto":
         return dtype
+    if name in ("fp8", "fp8_e4m3"):
+        if device.type != "cuda":
+            raise ValueError("fp8 KV cache needs a CUDA GPU; on the CPU use bfloat16 (there "
+                             "kv_cache_dtype must be one of auto, bfloat16).")
+        return torch.float8_e4m3fn
     kv_dtype = getattr(torch, name)
     if device.type != "cpu" and kv_dtype != dtype:
         raise ValueError(f"kv_cache_dtype={name} with a {str(dtype).removeprefix('torch.')} "

@@ -48,7 +48,8 @@ python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smo
 python -m compileall -q -j 0 rvllm >/dev/null
 # Compile the CPU kernels into numba's cache (next to their sources) now, not at the first
 # `rvllm serve`: once per machine (the cache is specific to the CPU), a fraction of a
-# second once cached; the multi-step decode (--num-scheduler-steps) too. The int8 weights'
+# second once cached; the multi-step decode (--num-scheduler-steps) and the packed GGUF
+# weights' forms (the default model's) too. The int8 weights'
 # forms compile in a second process meanwhile (numba compiles on one core: 6-7 minutes
 # in one process on a 2-core Zen 3); the last pass loads them all, and compiles again
 # whatever a process's cache index lost to the other's.
@@ -63,11 +64,11 @@ warm_up_numba(torch.bfloat16, int8=False)" &
   bf16_cache_forms=$!
 fi
 python -c "from rvllm.kernels.cpu import warm_up_numba
-warm_up_numba(int8=False, multi_step=True)"
+warm_up_numba(int8=False, multi_step=True, packed=True)"
 wait "$int8_forms"
 [ -z "${bf16_cache_forms:-}" ] || wait "$bf16_cache_forms"
 python -c "import rvllm, torch
 from rvllm.kernels.cpu import warm_up_numba
-warm_up_numba(multi_step=True)
+warm_up_numba(multi_step=True, packed=True)
 print(f'rvllm {rvllm.__version__} ready (torch {torch.__version__})')"
 inputs_digest "$mode" > "$stamp"

@@ -381,7 +381,7 @@ def test_unknown_backend_or_quantization_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="cpu linear backend"):
         prepare_linear_weights(Block(), "mkl")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        prepare_linear_weights(Block(), "auto", "int4")
+        prepare_linear_weights(Block(), "auto", "int3")
     with pytest.raises(ValueError, match="dtype float32"):
         prepare_linear_weights(Block().to(torch.bfloat16), "auto", "int8")
 

@@ -148,7 +148,8 @@ def test_cpu_image_compiles_numba_forms_setup_sh_compiles() -> None:
     calls = re.compile(r"warm_up_numba\([^)]*\)")
     image_calls = set(calls.findall(" ".join(arguments("Dockerfile", "RUN"))))
     assert image_calls <= set(calls.findall(SETUP_SH))
-    assert "warm_up_numba(multi_step=True)" in image_calls  # the pass that loads every form
+    # the pass that loads every form
+    assert "warm_up_numba(multi_step=True, packed=True)" in image_calls
     assert "from rvllm.kernels.cpu import warm_up_numba" in " ".join(arguments("Dockerfile", "RUN"))
 
 

@@ -144,6 +144,8 @@ def test_bfloat16_cache_holds_twice_the_blocks(llama_dir: Path) -> None:
 def test_unknown_or_unsupported_kv_cache_dtypes_are_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="fp8 KV cache needs a CUDA GPU"):
         resolve_kv_cache_dtype("fp8", torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("bfloat16", torch.float16, torch.device("cuda"))
@@ -151,7 +153,7 @@ def test_unknown_or_unsupported_kv_cache_dtypes_are_refused(
         == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cpu")) == torch.float32
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
     assert exit_.value.code != 0
     assert "--kv-cache-dtype" in capsys.readouterr().err
     ns = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"])

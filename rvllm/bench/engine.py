@@ -149,7 +149,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "engine": args.label,
         "model": engine.model_config.path,
         "dtype": str(engine.model_config.dtype).removeprefix("torch."),
-        "quantization": engine_args.quantization,
+        "quantization": engine.quantization,
         "config": {"input_len": args.input_len, "output_len": args.output_len,
                    "num_iters": args.num_iters, "batch_sizes": sizes, "ignore_eos": True,
                    "temperature": 0.0,

@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     engine = llm.engine
     row = {"model": engine.model_config.path, "linear_backend": engine.model.linear_backend,
-           "quantization": engine_args.quantization, "tokens": count,
+           "quantization": engine.quantization, "tokens": count,
            "perplexity": round(ppl, 4), "seconds": round(seconds, 2)}
     print(format_table([row], [(k, k) for k in row]))
     if args.json:

@@ -19,10 +19,12 @@ class KernelWarmUp(threading.Thread):
     """The numba kernels loading (or compiling) on a thread while the engine loads the
     tokenizer and the weights; ``join`` re-raises what the loading raised."""
 
-    def __init__(self, kv_dtype: torch.dtype, int8: bool, multi_step: bool) -> None:
+    def __init__(self, kv_dtype: torch.dtype, int8: bool, multi_step: bool,
+                 packed: bool = False) -> None:
         super().__init__(name="rvllm-numba-warm-up", daemon=True)
         self.error: BaseException | None = None
         self.kv_dtype, self.int8, self.multi_step = kv_dtype, int8, multi_step
+        self.packed = packed
         self.start()
 
     def run(self) -> None:
@@ -30,7 +32,7 @@ class KernelWarmUp(threading.Thread):
 
         start = time.perf_counter()
         try:
-            warm_up_numba(self.kv_dtype, self.int8, self.multi_step)
+            warm_up_numba(self.kv_dtype, self.int8, self.multi_step, packed=self.packed)
         except BaseException as error:  # noqa: BLE001 - handed to the joining thread
             self.error = error
             return
@@ -44,7 +46,8 @@ class KernelWarmUp(threading.Thread):
 
 
 def select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, int8: bool, multi_step: bool
+                    kv_dtype: torch.dtype, int8: bool, multi_step: bool,
+                    packed: bool = False, quantization: str | None = None
                     ) -> tuple[str, KernelWarmUp | None]:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
@@ -53,17 +56,85 @@ def select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
     from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
 
     backend = resolve_kernel_backend(requested, device, dtype)
+    if kv_dtype == torch.float8_e4m3fn and backend != "triton":
+        raise ValueError("--kv-cache-dtype fp8 is read by the Triton kernels only; run with "
+                         "--kernel-backend triton (the GPU's default)")
     # Only the forms this engine runs: each one loaded is start-up time.
-    warming = KernelWarmUp(kv_dtype, int8, multi_step) if backend == "numba" else None
+    warming = (KernelWarmUp(kv_dtype, int8, multi_step, packed) if backend == "numba"
+               else None)
     if backend == "triton":
-        from rvllm.kernels.triton import check_kernels
+        from rvllm.kernels.triton import OPTIONAL_KERNEL_NAMES, check_kernels
 
         start = time.perf_counter()
         checked = check_kernels(device, dtype)
+        for extra in (quantization, "fp8_kv_cache" if kv_dtype == torch.float8_e4m3fn
+                      else None):
+            if extra in OPTIONAL_KERNEL_NAMES:
+                checked += check_kernels(device, dtype, OPTIONAL_KERNEL_NAMES[extra])
         logger.info("checked %d Triton kernels against their references in %.1fs",
                     len(checked), time.perf_counter() - start)
     set_kernel_backend(backend)
     return backend, warming
+
+
+def resolve_quantization(requested: str | None, model: str, device: torch.device,
+                         dtype: torch.dtype, tensor_parallel_size: int = 1,
+                         load_format: str = "auto") -> str | None:
+    """``--quantization`` as the engine runs it. Unset: a GGUF file whose linear weights
+    are quantized runs on them packed (``gguf``) on the CPU in float32 on one rank, and
+    an int4 checkpoint (AWQ, GPTQ, compressed-tensors) as its config says; anything
+    else in the checkpoint's own dtype. ``none``: every weight widened to the compute
+    dtype. Raises ``ValueError`` for a choice this model or machine cannot run."""
+    from rvllm.layers.cpu_linear import PACKED_QUANTIZATIONS
+    from rvllm.models.default_model import resolve_gguf_path
+    from rvllm.models.loader import checkpoint_int4_method, gguf_has_packed_weights
+
+    if requested == "none":
+        return None
+    gguf = resolve_gguf_path(model) if load_format != "dummy" else None
+    int4_method = (checkpoint_int4_method(model) if gguf is None and load_format != "dummy"
+                   else None)
+    on_cpu_f32 = device.type == "cpu" and dtype == torch.float32
+    if requested is None:
+        if int4_method is not None and device.type == "cpu":
+            return int4_method
+        if int4_method is not None:
+            logger.warning("%s checkpoint: its int4 weights run dequantized to %s on this "
+                           "device (the packed int4 path is the CPU's; on a GPU, "
+                           "--quantization int4 quantizes a float checkpoint at load)",
+                           int4_method, str(dtype).removeprefix("torch."))
+            return None
+        if gguf is not None and on_cpu_f32 and tensor_parallel_size == 1 \
+                and gguf_has_packed_weights(gguf):
+            return "gguf"
+        return None
+    if requested == "gguf" and gguf is None:
+        raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights packed; "
+                         f"{model} is not a GGUF file")
+    if requested in ("awq", "gptq", "compressed-tensors") and requested != int4_method:
+        raise ValueError(f"--quantization {requested}: {model} is not a {requested} "
+                         f"checkpoint (its config.json's quantization_config says "
+                         f"{int4_method or 'nothing'})")
+    if requested == "fp8" and device.type == "cpu":
+        raise ValueError("--quantization fp8 needs a CUDA GPU; on the CPU use gguf (a "
+                         "quantized GGUF file), int4 or int8")
+    if requested in PACKED_QUANTIZATIONS and device.type == "cpu":
+        if not on_cpu_f32:
+            raise ValueError(f"--quantization {requested} computes in float32 on the CPU; "
+                             "run it with --dtype float32 (the CPU default)")
+        if tensor_parallel_size > 1:
+            raise ValueError(f"--quantization {requested} runs on one rank on the CPU; "
+                             "leave --tensor-parallel-size at 1")
+    if requested == "gguf" and device.type != "cpu":
+        raise ValueError("--quantization gguf runs on the CPU; on a GPU the file's weights "
+                         "are widened to --dtype (or use --quantization fp8 or int4)")
+    if requested in ("awq", "gptq", "compressed-tensors") and device.type != "cpu":
+        raise ValueError(f"--quantization {requested}: int4 checkpoints run packed on the "
+                         "CPU; on a GPU leave --quantization unset (they run dequantized)")
+    if requested in ("int8", "fp16") and device.type != "cpu":
+        raise ValueError(f"--quantization {requested} is a CPU path (fbgemm); on a GPU use "
+                         "int4 or fp8")
+    return requested
 
 
 def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:

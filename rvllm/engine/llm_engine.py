@@ -22,6 +22,7 @@ from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.engine_startup import (
     check_scheduler_steps,
     preemption_mode,
+    resolve_quantization,
     scheduler_config,
     select_kernels,
     start_tensor_parallel,
@@ -34,6 +35,7 @@ from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
 from rvllm.inputs import PromptType
 from rvllm.layers.cpu_linear import (
+    PACKED_QUANTIZATIONS,
     PENDING_GEMM_MAX_ROWS,
     finish_linear_weights,
     reorder_pending,
@@ -81,9 +83,14 @@ class LLMEngine:
         self.startup_phases: dict[str, float] = {}
         phase = time.perf_counter()
         # The numba kernels load from numba's cache on a thread of their own meanwhile.
-        self.kernel_backend, warming = select_kernels(args.kernel_backend, self.device, dtype,
-                                                       kv_dtype, args.quantization == "int8",
-                                                       args.num_scheduler_steps > 1)
+        # What --quantization runs as (a quantized GGUF file: its blocks, packed).
+        self.quantization = resolve_quantization(args.quantization, args.resolve_model(),
+                                                 self.device, dtype,
+                                                 args.tensor_parallel_size, args.load_format)
+        self.kernel_backend, warming = select_kernels(
+            args.kernel_backend, self.device, dtype, kv_dtype, self.quantization == "int8",
+            args.num_scheduler_steps > 1, self.quantization in PACKED_QUANTIZATIONS,
+            self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
@@ -116,7 +123,7 @@ class LLMEngine:
             self.model = load_model(self.model_config, self.device,
                                     progress=args.show_progress, load_format=args.load_format,
                                     cpu_linear_backend=args.cpu_linear_backend,
-                                    quantization=args.quantization, wait_packing=False,
+                                    quantization=self.quantization, wait_packing=False,
                                     defer_reorders=args.defer_weight_packing)
             if not args.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(self.model_config.path,
@@ -175,6 +182,8 @@ class LLMEngine:
         linear = self.model.linear_backend
         if self.kernel_backend == "numba" and linear in ("onednn", "int8"):
             linear = f"{'float32' if linear == 'onednn' else 'int8'} panels"  # cpu_linear
+        elif linear == "packed":
+            linear = f"{self.quantization} blocks, packed"
         logger.info("engine ready in %.2fs: %s, %s, kernels: %s, linear layers: %s, %d KV "
                     "blocks of %d tokens in %s", self.startup_seconds,
                     self.model_config.architecture, dtype, self.kernel_backend, linear,

@@ -45,6 +45,27 @@ class SeqStepOutput:
     later_tokens: tuple[tuple[int, float], ...] = ()
 
 
+def bind_fp8_kv_scales(layers: list[nn.Module], device: torch.device) -> None:
+    """Give each layer of an FP8 KV cache fresh key and value scales, to be set by its
+    first step with prefill tokens (``kernels.triton.kv_fp8``); refuse layers the Triton
+    kernels that read it do not cover: multi-head latent attention, soft-capped logits."""
+    from rvllm.kernels.triton.kv_fp8 import new_kv_scale
+    from rvllm.layers.attention import Attention
+
+    for attn in layers:
+        if type(attn).forward is not Attention.forward or attn.logits_soft_cap is not None:
+            raise ValueError(f"the fp8 KV cache covers plain attention only, not this model's "
+                             f"({type(attn).__name__}, soft cap {attn.logits_soft_cap}); use "
+                             "--kv-cache-dtype auto.")
+        attn.kv_scale = new_kv_scale(device)
+        attn.kv_scale_pending = True
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 cache tensor as uint8 (index_copy_ has no float8 kernels), else itself."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
         self.model = model
@@ -60,6 +81,8 @@ class ModelRunner:
         # Left uninitialised (fast to allocate): attention only ever gathers slots that
         # were written, since padding in the decode gather repeats a real slot.
         layers = self.model.attention_layers()
+        if dtype == torch.float8_e4m3fn:
+            bind_fp8_kv_scales(layers, self.device)
         shapes = {(getattr(a, "num_kv_heads", num_kv_heads), getattr(a, "head_dim", head_dim))
                   for a in layers if getattr(a, "cache_entry_shapes", None) is None}
         if len(shapes) == 1 and all(getattr(a, "cache_entry_shapes", None) is None
@@ -160,13 +183,14 @@ class ModelRunner:
             cpu = torch.tensor([c for _, c in blocks_to_swap_out])
             for attn, host in zip(self.model.attention_layers(), self.swap_space):
                 for src, dst in zip(attn.kv_cache, host):
-                    dst.index_copy_(0, cpu, src.index_select(0, dev).cpu())
+                    _bytes(dst).index_copy_(0, cpu, _bytes(src).index_select(0, dev).cpu())
         if blocks_to_swap_in:
             cpu = torch.tensor([c for c, _ in blocks_to_swap_in])
             dev = torch.tensor([d for _, d in blocks_to_swap_in], device=self.device)
             for attn, host in zip(self.model.attention_layers(), self.swap_space):
                 for src, dst in zip(host, attn.kv_cache):
-                    dst.index_copy_(0, dev, src.index_select(0, cpu).to(self.device))
+                    moved = _bytes(src).index_select(0, cpu).to(self.device)
+                    _bytes(dst).index_copy_(0, dev, moved)
 
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         """Run one scheduled step and sample it. A step that the CPU's compiled decode

@@ -51,12 +51,13 @@ def worker_main(rank: int, world_size: int, init_method: str, engine_args: Any,
     if backend == "numba":
         from rvllm.kernels.cpu import warm_up_numba
 
-        warm_up_numba(kv_dtype, engine_args.quantization == "int8")
+        warm_up_numba(kv_dtype, engine_args.quantization == "int8")  # packed: one rank only
     set_kernel_backend(backend)
     config = ModelConfig.from_path(engine_args.resolve_model(), dtype, engine_args.max_model_len)
     model = load_model(config, device, load_format=engine_args.load_format,
                        cpu_linear_backend=engine_args.cpu_linear_backend,
-                       quantization=engine_args.quantization)
+                       quantization=None if engine_args.quantization in (None, "none")
+                       else engine_args.quantization)
     runner = ModelRunner(model, engine_args.block_size, device)
     runner.allocate_kv_cache(num_blocks, config.num_kv_heads, config.head_dim, kv_dtype)
     if engine_args.num_cpu_blocks and engine_args.preemption_mode != "recompute":

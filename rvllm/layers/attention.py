@@ -14,7 +14,9 @@ softmax; SDPA cannot do that, so those layers take an explicit matmul-softmax pa
 With the Triton backend (``layers.backend``) the cache write, and RoPE when the caller
 hands its rotary embedding over, is one fused kernel, and attention reads the paged
 cache directly (paged decode with split-KV, paged prefill); soft-capped layers keep
-the torch path, which the kernels do not cover. With the numba backend (the CPU in
+the torch path, which the kernels do not cover. An FP8 cache (``--kv-cache-dtype fp8``,
+CUDA) is written and read by those kernels only, with the layer's scales
+(``kernels.triton.kv_fp8``). With the numba backend (the CPU in
 float32) decode attention reads the paged cache directly too
 (``kernels.cpu.decode_attention``), soft caps included; ``_decode``'s torch code below is
 its reference. Prefill chunks take ``kernels.cpu.prefill_attention`` there, soft caps
@@ -32,6 +34,12 @@ from rvllm.layers.backend import use_numba, use_triton
 
 
 class Attention(nn.Module):
+    # An FP8 cache's [k_scale, v_scale] (float32, on its device; ``kernels.triton.kv_fp8``),
+    # bound with the cache (``ModelRunner.allocate_kv_cache``); pending until the first
+    # step with prefill tokens sets them from its keys and values (Triton path only).
+    kv_scale: torch.Tensor | None = None
+    kv_scale_pending: bool = False
+
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None
                  ) -> None:
@@ -55,6 +63,9 @@ class Attention(nn.Module):
         assert self.kv_cache is not None, "KV cache not bound to this layer"
         if use_triton() and self.logits_soft_cap is None:
             return self._forward_triton(ctx, q, k, v, positions, rotary)
+        if self.kv_scale is not None:
+            raise NotImplementedError("the fp8 KV cache is read by the Triton kernels only "
+                                      "(--kernel-backend triton, no logit soft-capping).")
         if rotary is not None:
             assert k is not None and positions is not None
             q, k = rotary(positions, q, k)
@@ -110,11 +121,24 @@ class Attention(nn.Module):
         from rvllm.kernels.triton.rotary_kv import rotary_embedding_with_kv_cache
 
         key_cache, value_cache = self.kv_cache  # type: ignore[misc]
+        kv_scale = self.kv_scale
         if k is not None and v is not None:
+            if kv_scale is not None and self.kv_scale_pending and ctx.prefills:
+                from rvllm.kernels.triton.kv_fp8 import calibrate_kv_scale
+
+                calibrate_kv_scale(kv_scale, k, v)
+                self.kv_scale_pending = False
             if rotary is not None:
                 q, k = rotary_embedding_with_kv_cache(
                     positions, q, k, v, rotary.cos_cache, rotary.sin_cache, key_cache,
-                    value_cache, ctx.slot_mapping)
+                    value_cache, ctx.slot_mapping, kv_scale)
+            elif kv_scale is not None:
+                from rvllm.kernels.triton.kv_fp8 import quantize_kv
+
+                # As bytes: index_copy_ has no float8 kernels.
+                for cache, new, s in ((key_cache, k, kv_scale[0]), (value_cache, v, kv_scale[1])):
+                    cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(
+                        0, ctx.slot_mapping, quantize_kv(new, s).view(torch.uint8))
             else:
                 key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, k)
                 value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v)
@@ -123,12 +147,12 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = paged_decode_attention(
                 q[:nd], key_cache, value_cache, ctx.decode_block_tables, ctx.decode_lens_i32,
-                self.scale, self.sliding_window)
+                self.scale, self.sliding_window, kv_scale=kv_scale)
         if ctx.prefills:
             out[nd:] = paged_prefill_attention(
                 q[nd:], key_cache, value_cache, ctx.prefill_block_tables,
                 ctx.prefill_query_start_loc, ctx.prefill_seq_lens, ctx.max_prefill_len,
-                self.scale, self.sliding_window)
+                self.scale, self.sliding_window, kv_scale=kv_scale)
         return out.view(q.shape[0], -1)
 
     def _decode(self, ctx: AttentionMetadata, q: torch.Tensor, key_flat: torch.Tensor,

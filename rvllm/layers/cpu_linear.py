@@ -44,20 +44,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rvllm.layers.packable import PackableLinear
+
 CPU_LINEAR_BACKENDS = ("auto", "onednn", "torch")
-QUANTIZATIONS = ("int8", "fp16")
+QUANTIZATIONS = ("int8", "fp16", "gguf", "int4", "awq", "gptq", "compressed-tensors")
+# Those whose weights are kept in ``kernels.cpu.packed``'s panels (``linear_kind``
+# "packed"): a GGUF file's blocks, an int4 checkpoint's groups, or int4 made at load.
+PACKED_QUANTIZATIONS = ("gguf", "int4", "awq", "gptq", "compressed-tensors")
 # Steps of more rows than this pack a layer whose oneDNN reorder is pending (under load,
 # ``LLMEngine.step``, ``--kernel-backend torch`` only: the numba kernels need no oneDNN
 # copy); fewer leave it to idle time, so a short first request does not wait for it.
 PENDING_GEMM_MAX_ROWS = 32
-
-
-class PackableLinear:
-    """Marker base of the modules whose weight is a linear map that
-    :func:`prepare_linear_weights` may repack or quantize (the parallel linear layers,
-    the LM head)."""
-
-    weight: torch.Tensor
 
 
 def onednn_available() -> bool:
@@ -113,6 +110,11 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
     kind = getattr(module, "linear_kind", None)
     if kind is None:
         return F.linear(x, module.weight, bias)
+    if kind in ("w4a16", "fp8"):  # a GPU's quantized weights (``layers.gpu_quant``)
+        from rvllm.layers.gpu_quant import gpu_quant_linear
+
+        y = gpu_quant_linear(module, x.reshape(-1, x.shape[-1]), bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     panels = getattr(module, "panel_weight", None)
@@ -120,6 +122,10 @@ def apply_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None =
         from rvllm.kernels.cpu.gemv import gemv
 
         y = gemv(x2, panels)
+    elif kind == "packed":
+        from rvllm.kernels.cpu.f32_gemm import panels_matmul
+
+        y = panels_matmul(x2, panels)
     elif kind == "int8" and panels is not None and module.packed_weight is None:
         # prepare_linear_weights made no fbgemm copy: the panels take every input.
         from rvllm.kernels.cpu.int8_gemm import int8_matmul
@@ -158,6 +164,10 @@ def matmul_unbiased(module: nn.Module, x: torch.Tensor, threads: int) -> torch.T
     kernels around it apply those, ``kernels.cpu.batch_step``). ``threads``: numba's
     thread count."""
     panels = getattr(module, "panel_weight", None)
+    if module.linear_kind == "packed":
+        from rvllm.kernels.cpu.f32_gemm import panels_matmul
+
+        return panels_matmul(x, panels)
     if module.linear_kind == "int8":
         if module.packed_weight is None:
             from rvllm.kernels.cpu.int8_gemm import matmul_into
@@ -217,8 +227,15 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
                          f"got {backend!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    packed = None
+    if quantization in PACKED_QUANTIZATIONS:
+        packed = pack_quantized(model, quantization)
+        quantization = None  # the layers left over: float32, as without quantization
+    else:
+        unpack_leftovers(model)
     targets = [m for m in model.modules()
-               if isinstance(m, PackableLinear) and getattr(m, "packable", True)]
+               if isinstance(m, PackableLinear) and getattr(m, "packable", True)
+               and getattr(m, "linear_kind", None) != "packed"]
     on_cpu = [m for m in targets if m.weight.device.type == "cpu"]
     if quantization is not None:
         if len(on_cpu) != len(targets):
@@ -232,7 +249,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
                                "quantized engine, which this torch build lacks")
         kind = quantization
     elif backend == "torch":
-        return "torch"
+        return packed or "torch"
     else:
         on_cpu = [m for m in on_cpu if m.weight.dtype == torch.float32]
         if not onednn_available():
@@ -240,9 +257,9 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
                 raise RuntimeError("--cpu-linear-backend onednn: this torch build has no "
                                    "oneDNN (torch.backends.mkldnn); use "
                                    "--cpu-linear-backend torch")
-            return "torch"
+            return packed or "torch"
         if not on_cpu:
-            return "torch"
+            return packed or "torch"
         kind = "onednn"
     from rvllm.layers.backend import use_numba
 
@@ -316,7 +333,89 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
             packing.wait()
         else:
             model.pending_packing = packing
-    return kind
+    return packed or kind
+
+
+def _pack_parts(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.gemv.Panels | None
+    """The packed panels of a weight whose rows all came as GGUF blocks
+    (``packed_parts``, noted by ``models.base.load_params``), or None where they do not
+    cover it or a part starts inside a panel of 16 rows."""
+    from rvllm.kernels.cpu.packed import pack_rows
+
+    parts = sorted(getattr(weight, "packed_parts", None) or [], key=lambda p: p[0])
+    first = 0
+    for offset, rows in parts:
+        if offset != first or (first % 16 and rows.rows):
+            return None
+        first += rows.rows
+    if not parts or first != weight.shape[0]:
+        return None
+    return pack_rows([rows for _, rows in parts], weight.shape[0])
+
+
+def pack_quantized(model: nn.Module, quantization: str) -> str | None:
+    """Every linear layer and embedding whose weight came as blocks (a GGUF file's, or
+    an int4 checkpoint's groups made into Q4_1 blocks; ``packed_parts``) keeps them
+    packed (``kernels.cpu.packed``; the layer's ``linear_kind`` "packed"); with
+    ``int4`` every float32 linear weight is quantized to 4 bits at load, groups of 32
+    round-to-nearest (``models.int4_checkpoint.quantize_int4_rtn``), in Q4_1 blocks.
+    An embedding reads its rows from them, dequantized. Returns "packed", or None where
+    nothing was; what could not be is decoded to float32 (``unpack_leftovers``)."""
+    done = False
+    for m in model.modules():
+        if not (isinstance(m, PackableLinear) and getattr(m, "packable", True)):
+            continue
+        w = m.weight
+        if w.device.type != "cpu":
+            continue
+        if quantization == "int4":
+            panels = _int4_panels(w) if w.dtype == torch.float32 and w.numel() else None
+        else:
+            panels = _pack_parts(w)
+        if panels is None:
+            continue
+        m.panel_weight, m.packed_weight, m.linear_kind = panels, None, "packed"
+        if getattr(m, "keeps_weight", False):
+            w.row_panels = panels  # a tied embedding reads its rows from them
+        w.__dict__.pop("packed_parts", None)
+        w.data = torch.empty(0, dtype=w.dtype)
+        done = True
+    for m in model.modules():  # embeddings (a vocabulary's rows) not tied to an LM head
+        w = getattr(m, "weight", None)
+        if (hasattr(m, "num_embeddings") and not isinstance(m, PackableLinear)
+                and w is not None and not hasattr(w, "row_panels")):
+            panels = _pack_parts(w)
+            if panels is not None:
+                w.row_panels = panels
+                w.__dict__.pop("packed_parts", None)
+                w.data = torch.empty(0, dtype=w.dtype)
+    unpack_leftovers(model)
+    return "packed" if done else None
+
+
+def _int4_panels(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.gemv.Panels | None
+    """A float32 weight quantized to int4 (groups of 32) and packed, or None where its
+    width is not whole groups."""
+    from rvllm.kernels.cpu.packed import int4_rows, pack_rows
+    from rvllm.layers.int4 import quantize_int4_rtn
+
+    if weight.shape[1] % 32:
+        return None
+    q = quantize_int4_rtn(weight.detach(), 32)
+    return pack_rows([int4_rows(q.q, q.scale, q.zero)], weight.shape[0])
+
+
+def unpack_leftovers(model: nn.Module) -> None:
+    """Decode into their float32 weights the blocks no layer kept packed (each part
+    packed on its own and widened: bit-identical to ``models.dequant``)."""
+    from rvllm.kernels.cpu.packed import dequantize_panels, pack_rows
+
+    for p in model.parameters():
+        parts = p.__dict__.pop("packed_parts", None)
+        for offset, rows in parts or []:
+            panels = pack_rows([rows], rows.rows)
+            p.data[offset:offset + rows.rows] = dequantize_panels(panels.weight, rows.rows,
+                                                                  rows.cols)
 
 
 def _panels_may_take_rows(m: nn.Module, panel: int) -> bool:

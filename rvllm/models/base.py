@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rvllm.layers.attention import Attention
+from rvllm.layers.cpu_linear import PackableLinear
 from rvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from rvllm.layers.moe import route_expert_weights
 from rvllm.layers.norm import RMSNorm
@@ -75,6 +76,10 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name} has no place in the model")
+        if not isinstance(tensor, torch.Tensor):  # rows kept as the file stores them
+            _keep_packed_rows(model, target, param, shard, name, tensor)
+            loaded.add(target)
+            continue
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             loaded.add(target)  # decoded in place (``checkpoint_destinations``)
             continue
@@ -92,6 +97,46 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     if tied:
         loaded.add("lm_head.weight")
     return loaded
+
+
+def _keep_packed_rows(model: nn.Module, target: str, param: nn.Parameter,
+                      shard: int | str | None, name: str, rows: Any) -> None:
+    """Note a checkpoint tensor kept packed (``kernels.cpu.packed.QuantizedRows``) on the
+    parameter it belongs in, with its first row there (``packed_parts``): the weight
+    stays unwritten until ``layers.cpu_linear.prepare_linear_weights`` packs the parts
+    into panels (or, where it cannot, decodes them into it)."""
+    module = model.get_submodule(target.rpartition(".")[0])
+    view_of = getattr(module, "checkpoint_view", None)
+    view = view_of(param, shard) if view_of is not None else param.data
+    if view is None or tuple(view.shape) != (rows.rows, rows.cols):
+        raise ValueError(f"checkpoint tensor {name} has shape {(rows.rows, rows.cols)}, the "
+                         f"model expects {tuple(param.shape if view is None else view.shape)}")
+    parts = getattr(param, "packed_parts", None)
+    if parts is None:
+        parts = param.packed_parts = []
+    parts.append((view.storage_offset() // param.shape[1], rows))
+
+
+def packed_destinations(model: nn.Module) -> Callable[[str], bool] | None:
+    """For a model loaded by plain ``load_params``: which checkpoint weights may come as
+    GGUF's rows of blocks, kept packed (``iter_gguf_tensors``' ``keep_packed``): the
+    weights of linear layers and embeddings in float32 host memory on one rank."""
+    if not isinstance(model, CausalLM) or type(model).load_weights is not CausalLM.load_weights:
+        return None
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def keep(name: str) -> bool:
+        if _not_loaded(name, model.tied) or not name.endswith(".weight"):
+            return False
+        target, _ = _target(name, model.stacked_params)
+        param = params.get(target)
+        if param is None or param.dtype != torch.float32 or param.device.type != "cpu":
+            return False
+        module = model.get_submodule(target.rpartition(".")[0])
+        return (isinstance(module, (PackableLinear, VocabParallelEmbedding))
+                and getattr(module, "tp_size", 1) == 1 and param.dim() == 2)
+
+    return keep
 
 
 class PreNormDecoderLayer(nn.Module):

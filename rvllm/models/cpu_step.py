@@ -96,7 +96,7 @@ class CpuStepPlan:
         if self._batch_ok is None:
             kinds = {getattr(get(layer), "linear_kind", None) for layer in self.layers
                      for get in _PROJECTIONS.values()}
-            self._batch_ok = kinds in ({"int8"}, {"onednn"})
+            self._batch_ok = kinds in ({"int8"}, {"onednn"}, {"packed"})
         return self._batch_ok
 
 

@@ -4,17 +4,22 @@ The header (metadata, where each tensor's bytes are) is read by ``models.gguf_fi
 which needs no torch; this module builds on it with the decoders.
 """
 
+from __future__ import annotations
+
 import os
 import re
 from collections.abc import Callable, Iterator
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from rvllm.models.dequant import check_supported
 from rvllm.models.gguf_file import GGUFFile, open_gguf
+
+if TYPE_CHECKING:
+    from rvllm.kernels.cpu.packed import QuantizedRows
 
 # GGUF architecture -> the Hugging Face class it loads as. A `llama` file with experts
 # (`llama.expert_count` > 0) is Mixtral, which llama.cpp stores as `llama`.
@@ -127,7 +132,7 @@ def _layer_types(pattern: Any, n_layers: int) -> list[str]:
     return ["sliding_attention" if s else "full_attention" for s in swa]
 
 
-def load_gguf_config(source: "str | os.PathLike[str] | GGUFFile") -> dict[str, Any]:
+def load_gguf_config(source: str | os.PathLike[str] | GGUFFile) -> dict[str, Any]:
     """A Hugging Face-style model config dict built from a GGUF file's metadata."""
     gguf = open_gguf(source)
     arch = _check_architecture(gguf)
@@ -330,6 +335,26 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(rows, *w.shape[3:])
 
 
+def _unpermute_packed(rows: QuantizedRows, n_head: int) -> QuantizedRows:
+    """``_unpermute_rows`` on a weight's rows kept as stored (each row its blocks)."""
+    from rvllm.kernels.cpu.packed import QuantizedRows
+
+    data = rows.data
+    n = data.shape[0]
+    if n % (2 * n_head):
+        raise ValueError(f"{n} rows cannot be split into {n_head} heads of even size")
+    data = data.reshape(n_head, n // n_head // 2, 2, -1).swapaxes(1, 2).reshape(n, -1)
+    return QuantizedRows(rows.fmt, data, rows.cols)
+
+
+def _split_packed(rows: QuantizedRows, sizes: list[int]) -> list[QuantizedRows]:
+    from rvllm.kernels.cpu.packed import QuantizedRows
+
+    bounds = np.cumsum([0, *sizes])
+    return [QuantizedRows(rows.fmt, rows.data[a:b], rows.cols)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch.dtype
                  ) -> list[tuple[tuple[str, ...], _Build]]:
     """How every tensor in the file becomes Hugging Face tensors; raises `ValueError` for
@@ -351,10 +376,16 @@ def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch
         def build(ts: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
             return [(hf_name, fix(hf_name, kind, ts[0]))]
 
+        def packed(qs: list[QuantizedRows]) -> list[tuple[str, QuantizedRows]]:
+            if arch == "llama" and kind in heads:
+                return [(hf_name, _unpermute_packed(qs[0], heads[kind]))]
+            return [(hf_name, qs[0])]
+
         # The tensor is the HF one as stored: it can be decoded where it belongs.
         unchanged = not ((arch == "llama" and kind in heads)
                          or (arch in _GEMMAS and hf_name.endswith("norm.weight")))
         build.direct = hf_name if unchanged else None  # type: ignore[attr-defined]
+        build.packed = packed  # type: ignore[attr-defined]
         return build
 
     def fused_qkv(prefix: str, suffix: str) -> _Build:
@@ -368,6 +399,15 @@ def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch
                 out.append((hf_name, fix(hf_name, kind, part)))
             return out
 
+        def packed(qs: list[QuantizedRows]) -> list[tuple[str, QuantizedRows]]:
+            out = []
+            for kind, part in zip(("attn_q", "attn_k", "attn_v"), _split_packed(qs[0], sizes)):
+                if arch == "llama" and kind in heads:
+                    part = _unpermute_packed(part, heads[kind])
+                out.append((f"{prefix}{layer_names[kind]}.{suffix}", part))
+            return out
+
+        build.packed = packed  # type: ignore[attr-defined]
         return build
 
     def gate_up(hf_name: str) -> _Build:
@@ -427,11 +467,28 @@ def _tensor_plan(gguf: GGUFFile, arch: str, config: dict[str, Any], dtype: torch
     return plan
 
 
+def _packed_rows(gguf: GGUFFile, name: str) -> QuantizedRows | None:
+    """Tensor ``name``'s rows of blocks, where it is a 2-D weight of a packed format."""
+    from rvllm.kernels.cpu.packed import QuantizedRows, packable
+
+    info = gguf.tensors[name]
+    if len(info.shape) != 2 or not packable(info.ggml_type, info.shape[1]):
+        return None
+    return QuantizedRows(info.ggml_type, gguf.raw(name).reshape(info.shape[0], -1),
+                         info.shape[1])
+
+
 def iter_gguf_tensors(
-    source: "str | os.PathLike[str] | GGUFFile", dtype: torch.dtype = torch.float32,
+    source: str | os.PathLike[str] | GGUFFile, dtype: torch.dtype = torch.float32,
     destination: Callable[[str, tuple[int, ...]], torch.Tensor | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_packed: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Yield `(hf_name, tensor)` for every weight in the file, dequantized to `dtype`.
+
+    `keep_packed(hf_name)`, when given, says which weights may stay as the file stores
+    them: a 2-D weight of a type ``kernels.cpu.packed`` computes with is then yielded as
+    its rows of blocks (``QuantizedRows``, viewing the file's memory map), untouched but
+    for the llama Q/K row permutation and a fused Q/K/V's split.
 
     `destination(hf_name, shape)`, when given, may return the float32 tensor a weight
     ends up in (``models.base.checkpoint_destinations``: the model's parameter, or its
@@ -454,6 +511,14 @@ def iter_gguf_tensors(
         except ValueError as e:
             raise ValueError(f"{gguf.path}: tensor {info.name!r}: {e}") from None
     for sources, build in plan:
+        packed = getattr(build, "packed", None)
+        if keep_packed is not None and packed is not None:
+            rows = [_packed_rows(gguf, name) for name in sources]
+            if all(r is not None for r in rows):
+                parts = packed(rows)
+                if all(keep_packed(hf_name) for hf_name, _ in parts):
+                    yield from parts
+                    continue
         direct = getattr(build, "direct", None)
         if direct is not None and destination is not None and dtype == torch.float32:
             out = destination(direct, gguf.tensors[sources[0]].shape)

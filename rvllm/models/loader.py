@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rvllm.config import ModelConfig
-from rvllm.layers.cpu_linear import prepare_linear_weights
+from rvllm.layers.cpu_linear import PACKED_QUANTIZATIONS, prepare_linear_weights
 from rvllm.models.registry import get_model_class
 
 
@@ -48,6 +48,30 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
             yield name, handle.get_tensor(name)
             bar.update(1)
     bar.close()
+
+
+def checkpoint_int4_method(model: str) -> str | None:
+    """The int4 method (awq, gptq, compressed-tensors) a Hugging Face checkpoint's
+    config.json names; None for none (or no config.json)."""
+    from rvllm.models.int4_checkpoint import int4_config
+
+    path = Path(model).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = int4_config(json.load(f))
+    return None if config is None else config.method
+
+
+def gguf_has_packed_weights(path: str | Path) -> bool:
+    """Whether a GGUF file's layers hold linear weights of a type kept packed
+    (``kernels.cpu.packed``)."""
+    from rvllm.kernels.cpu.packed import packable
+    from rvllm.models.gguf_file import open_gguf
+
+    return any(name.startswith("blk.") and len(info.shape) == 2
+               and packable(info.ggml_type, info.shape[1])
+               for name, info in open_gguf(path).tensors.items())
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
@@ -88,14 +112,20 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         return _finish(model, start, cpu_linear_backend, quantization, wait_packing,
                        defer_reorders)
     if config.gguf_file is not None:
-        from rvllm.models.base import checkpoint_destinations
+        from rvllm.models.base import checkpoint_destinations, packed_destinations
         from rvllm.models.gguf_loader import iter_gguf_tensors
 
+        keep = packed_destinations(model) if quantization == "gguf" else None
         weights = tqdm(iter_gguf_tensors(config.gguf_file, dtype=config.dtype,
-                                         destination=checkpoint_destinations(model)),
+                                         destination=checkpoint_destinations(model),
+                                         keep_packed=keep),
                        desc="Loading GGUF tensors", unit="tensor", disable=not progress)
     else:
         weights = iter_safetensors(safetensors_files(Path(config.path)), progress)
+        from rvllm.models.base import packed_destinations
+
+        weights = _int4_weights(weights, config, packed_destinations(model)
+                                if quantization in PACKED_QUANTIZATIONS else None)
     loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
@@ -107,9 +137,40 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
                        defer_reorders)
 
 
+def _int4_weights(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig,
+                  keep: Callable[[str], bool] | None) -> Iterator[tuple[str, object]]:
+    """An int4 checkpoint's (AWQ, GPTQ, compressed-tensors: ``models.int4_checkpoint``)
+    linear weights, each as Q4_1 blocks to keep packed (``kernels.cpu.packed``) where
+    ``keep(name)`` says the engine runs them so, else dequantized to float32; other
+    tensors as they come."""
+    from rvllm.models.int4_checkpoint import Int4Weight, int4_config, iter_int4_weights
+
+    int4 = int4_config(config.hf_config)
+    if int4 is None:
+        yield from weights
+        return
+    for name, tensor in iter_int4_weights(weights, int4):
+        if not isinstance(tensor, Int4Weight):
+            yield name, tensor
+        elif keep is not None and keep(name) and tensor.shape[1] % 32 == 0:
+            from rvllm.kernels.cpu.packed import int4_rows
+
+            yield name, int4_rows(tensor.q, tensor.scale, tensor.zero)
+        else:
+            yield name, tensor.dequantize()
+
+
 def _finish(model: nn.Module, start: float, cpu_linear_backend: str,
             quantization: str | None, wait_packing: bool, defer_reorders: bool) -> nn.Module:
     model.eval()
+    if quantization in ("int4", "fp8") and any(p.device.type == "cuda"
+                                               for p in model.parameters()):
+        from rvllm.layers.gpu_quant import prepare_gpu_quantized
+
+        prepare_gpu_quantized(model, quantization)  # Triton W4A16 / FP8 weights
+        model.linear_backend = "w4a16" if quantization == "int4" else "fp8"
+        model.load_seconds = time.perf_counter() - start
+        return model
     model.linear_backend = prepare_linear_weights(model, cpu_linear_backend, quantization,
                                                   wait=wait_packing,
                                                   defer_reorders=defer_reorders)

@@ -34,10 +34,12 @@ import torch
 
 
 def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
-                  multi_step: bool = False, float32: bool = True) -> None:
+                  multi_step: bool = False, float32: bool = True,
+                  packed: bool = False) -> None:
     """Compile (or load from numba's cache) the CPU's numba kernels on tiny inputs, for a
-    KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, and the
-    multi-step decode (``multi_step``), so the first decode step does not pay for it.
+    KV cache of ``kv_dtype`` and (``int8``) int8 weights as well as float32 ones, packed
+    GGUF weights (``packed``), and the multi-step decode (``multi_step``), so the first
+    decode step does not pay for it.
     Each form loaded costs start-up time. Without ``float32``: only the int8 weights'
     forms (and int8 quantization), which another process may compile meanwhile
     (``scripts/setup.sh``)."""
@@ -65,12 +67,14 @@ def warm_up_numba(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
         decode_attention.warm_up(kv_dtype)
         prefill_attention.warm_up()
         f32_gemm.warm_up()
-    gemv.warm_up(int8, float32)
-    decoder_step.warm_up(kv_dtype, int8, float32)
+    gemv.warm_up(int8, float32, packed)
+    if packed:
+        f32_gemm.warm_up_packed()
+    decoder_step.warm_up(kv_dtype, int8, float32, packed)
     batch_step.warm_up(kv_dtype, int8, float32)
     if float32:
         greedy.warm_up()
     if multi_step:
         from rvllm.kernels.cpu import decode_steps
 
-        decode_steps.warm_up(kv_dtype, int8, float32)
+        decode_steps.warm_up(kv_dtype, int8, float32, packed)

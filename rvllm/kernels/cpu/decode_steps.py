@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rvllm.kernels.cpu.decoder_step import (
+    LIKE_ARG,
     SLOTS_ARG,
     DecoderStepPlan,
     _layer_args,
@@ -92,12 +93,14 @@ def decode_greedy_steps(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndar
 
 
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
-            float32: bool = True) -> None:
+            float32: bool = True, packed: bool = False) -> None:
     """Compile (or load from numba's cache) ``_greedy_steps`` for the weights and caches
     ``decoder_step.warm_up`` covers, so the first multi-step call does not pay for
     it."""
-    for layers, head, scale in warm_up_args(kv_dtype, int8, float32):
-        _greedy_steps(np.zeros((20, layers[0].shape[1], 1), np.float32),
+    for layers, head, scale in warm_up_args(kv_dtype, int8, float32, packed):
+        packed_weights = layers[LIKE_ARG].dtype == np.uint8  # a packed embedding too
+        _greedy_steps(head if packed_weights else np.zeros((20, layers[0].shape[1], 1),
+                                                           np.float32),
                       np.zeros(1, np.int64), *layers[:SLOTS_ARG], 4,
                       *layers[SLOTS_ARG + 1:], head, scale, np.empty((1, 20), np.float32),
                       np.full((1, 1), -1, np.int64),

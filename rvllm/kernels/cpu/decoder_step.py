@@ -50,7 +50,7 @@ import numba
 import numpy as np
 import torch
 from numba import prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu.decode_attention import (
@@ -73,6 +73,7 @@ from rvllm.kernels.cpu.gemv import (
     panel_shape,
 )
 from rvllm.kernels.cpu.numerics import _prefetch, kv_array
+from rvllm.kernels.cpu.packed import dequant_panel, is_packed, panel_stride16
 from rvllm.kernels.cpu.step_parts import (
     _gate_up_share,
     _gate_up_silu,
@@ -100,7 +101,10 @@ def _pointer_like(typingctx, address, like):
 
 @numba.njit(cache=True, inline="always")
 def _weight(addresses, layer, like, rows, cols):
-    """The panels of a [rows, cols] weight (``gemv``) at ``addresses[layer]``."""
+    """The panels of a [rows, cols] weight (``gemv``) at ``addresses[layer]`` (packed
+    panels: as long as their header says; layers may differ in format)."""
+    if is_packed(like):
+        cols = panel_stride16(addresses[layer])
     return numba.carray(_pointer_like(addresses[layer], like),
                         ((rows + PANEL - 1) // PANEL, cols, PANEL))
 
@@ -495,6 +499,29 @@ def _decoder_step(hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2,
         _by_op(*args)
 
 
+def _embedding_rows_into(embedding, token_ids, hidden):  # noqa: ANN001, ANN202
+    """hidden[b] = the embedding table's row token_ids[b] (numba-only)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_embedding_rows_into)
+def _embedding_rows_into_overload(embedding, token_ids, hidden):  # noqa: ANN001, ANN202
+    if embedding.dtype == types.uint8:
+        def packed(embedding, token_ids, hidden):  # noqa: ANN001, ANN202
+            # Packed panels (``packed``): a row's panel widened, its lane kept.
+            scratch = np.empty((1, hidden.shape[1], PANEL), np.float32)
+            for b in range(token_ids.shape[0]):
+                dequant_panel(embedding, token_ids[b] // PANEL, scratch)
+                hidden[b] = scratch[0, :, token_ids[b] % PANEL]
+        return packed
+
+    def table(embedding, token_ids, hidden):  # noqa: ANN001, ANN202
+        per = embedding.shape[2]
+        for b in range(token_ids.shape[0]):
+            hidden[b] = embedding[token_ids[b] // per, :, token_ids[b] % per]
+    return table
+
+
 @numba.njit(fastmath=True, cache=True)
 def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b,
                     norms2, gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter,
@@ -504,10 +531,9 @@ def _step_to_logits(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s,
     """``_decoder_step`` from the token ids' rows of the embedding (a table [V / P, H, P],
     ``gemv.embedding_table``) through the LM head (panels head_w, int8 scales
     head_s)."""
-    rows, size, per = token_ids.shape[0], embedding.shape[1], embedding.shape[2]
+    rows, size = token_ids.shape[0], final_norm.shape[0]
     hidden = np.empty((rows, size), np.float32)
-    for b in range(rows):
-        hidden[b] = embedding[token_ids[b] // per, :, token_ids[b] % per]
+    _embedding_rows_into(embedding, token_ids, hidden)
     args = (hidden, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o_b, norms2, gu_w, gu_s,
             gu_b, down_w, down_s, down_b, like, inter, key_cache, value_cache,
             windows, tables, positions, slots, cos_table, sin_table, num_heads,
@@ -526,8 +552,9 @@ def stack_linears(copies: list[Panels], biases: list[torch.Tensor | None]) -> di
     [L, N], or [L, 0] for none (``s``, ``b``), the panels themselves (``panels``, kept
     alive with the plan) and their element type as an empty array (``like``). None when
     the layers differ in format or shape."""
-    if len({(c.weight.dtype, c.weight.shape, c.rows, c.scale.shape) for c in copies}) != 1:
-        return None
+    if len({(c.weight.dtype, c.weight.shape[0], c.cols, c.rows, c.scale.shape)
+            for c in copies}) != 1:
+        return None  # (packed layers may differ in format: each panel has its header)
     if not all(c.weight.flags.c_contiguous for c in copies):
         return None
     addresses = np.array([c.weight.ctypes.data for c in copies], dtype=np.int64)
@@ -604,7 +631,7 @@ def make_plan(projections: dict[str, dict], norms1: np.ndarray, norms2: np.ndarr
                 "gu": (2 * inter, hidden), "down": (hidden, inter)}
     for name, shape in expected.items():
         first = projections[name]["panels"][0]
-        if (first.rows, first.weight.shape[1]) != shape:
+        if (first.rows, first.cols) != shape:
             return None
     like = projections["qkv"]["like"]
     embedding = embedding_table(embedding_weight)
@@ -670,8 +697,7 @@ def decoder_step(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
 def head_fits(plan: DecoderStepPlan, head: Panels) -> bool:
     """Whether the step can go on through this LM head's panels: the stack's weight
     format and hidden size."""
-    return (head.weight.shape[1] == plan.final_norm.shape[0]
-            and head.weight.dtype == plan.like.dtype)
+    return head.cols == plan.final_norm.shape[0] and head.weight.dtype == plan.like.dtype
 
 
 def _no_head(like: np.ndarray, size: int) -> tuple:
@@ -719,24 +745,34 @@ def decode_logits(plan: DecoderStepPlan, caches: tuple[np.ndarray, np.ndarray],
     return DecodeLogits(logits, (ids.tolist(), logprobs.tolist()) if greedy else None)
 
 
-def weight_types(int8: bool, float32: bool = True) -> tuple[type, ...]:
+def weight_types(int8: bool, float32: bool = True, packed: bool = False) -> tuple[type, ...]:
     """The weights' element types a warm-up covers: float32 unless not ``float32``, int8
-    when ``int8``."""
-    return (np.float32,) * float32 + (np.int8,) * int8
+    when ``int8``, packed GGUF blocks (uint8) when ``packed``."""
+    return (np.float32,) * float32 + (np.int8,) * int8 + (np.uint8,) * packed
+
+
+def _toy_weight(rows: int, cols: int, dtype: type) -> np.ndarray:
+    """Zero panels of a [rows, cols] weight of ``dtype`` (uint8: packed Q8_0 blocks)."""
+    if dtype is not np.uint8:
+        return np.zeros(panel_shape(rows, cols), dtype)
+    from rvllm.kernels.cpu.packed import Q8_0, TYPE_BYTES, QuantizedRows, pack_rows
+
+    data = np.zeros((rows, cols // 32 * TYPE_BYTES[Q8_0]), np.uint8)
+    return pack_rows([QuantizedRows(Q8_0, data, cols)], rows).weight
 
 
 def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
-                 float32: bool = True) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
-    """For float32 weights (unless not ``float32``) and int8 ones (when ``int8``):
-    ``_layer_args`` of a one-layer toy stack with a cache of ``kv_dtype`` and one row,
-    and a toy LM head's panels and scales. The toy weights live while the caller
-    iterates."""
-    heads, kv_heads, dim, hidden, inter = 2, 1, 4, 8, 16
-    for dtype in weight_types(int8, float32):
+                 float32: bool = True, packed: bool = False
+                 ) -> Iterator[tuple[tuple, np.ndarray, np.ndarray]]:
+    """For each of ``weight_types``: ``_layer_args`` of a one-layer toy stack with a
+    cache of ``kv_dtype`` and one row, and a toy LM head's panels and scales. The toy
+    weights live while the caller iterates."""
+    heads, kv_heads, dim, hidden, inter = 2, 1, 16, 32, 32
+    for dtype in weight_types(int8, float32, packed):
         kept = []  # the step reads the toy weights by address
 
         def linear(rows: int, cols: int, dtype: type = dtype, kept: list = kept) -> tuple:
-            weight = np.zeros(panel_shape(rows, cols), dtype)
+            weight = _toy_weight(rows, cols, dtype)
             kept.append(weight)
             scale = np.ones((1, rows if dtype is np.int8 else 0), np.float32)
             return (np.array([weight.ctypes.data], np.int64), scale,
@@ -752,22 +788,23 @@ def warm_up_args(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
                   zeros, np.zeros((1, 1), np.int64), zeros, zeros, rope, rope, heads,
                   kv_heads, dim, np.float32(1.0), np.float32(1e-6),
                   np.ones(hidden, np.float32))
-        yield (layers, np.zeros(panel_shape(20, hidden), dtype),
+        yield (layers, _toy_weight(20, hidden, dtype),
                np.ones(20 if dtype is np.int8 else 0, np.float32))
 
 
 def warm_up(kv_dtype: torch.dtype = torch.float32, int8: bool = True,
-            float32: bool = True) -> None:
-    """Compile (or load from numba's cache) the step for float32 weights (unless not
-    ``float32``) and int8 ones (when ``int8``) on a one-layer toy stack with a cache of
-    ``kv_dtype``, so a model's first decode step does not pay for it."""
-    for layers, head, scale in warm_up_args(kv_dtype, int8, float32):
+            float32: bool = True, packed: bool = False) -> None:
+    """Compile (or load from numba's cache) the step for each of ``weight_types`` on a
+    one-layer toy stack with a cache of ``kv_dtype``, so a model's first decode step does
+    not pay for it."""
+    for layers, head, scale in warm_up_args(kv_dtype, int8, float32, packed):
         hidden = layers[0].shape[1]
         like = layers[LIKE_ARG]
         _decoder_step(np.zeros((1, hidden), np.float32), *layers,
                       np.empty((1, hidden), np.float32), *_no_head(like, hidden),
                       numba.get_num_threads())
-        _step_to_logits(np.zeros((20, hidden, 1), np.float32), np.zeros(1, np.int64),
+        embedding = head if like.dtype == np.uint8 else np.zeros((20, hidden, 1), np.float32)
+        _step_to_logits(embedding, np.zeros(1, np.int64),
                         *layers, head, scale, np.empty((1, 20), np.float32),
                         np.empty(1, np.int64), np.empty(1, np.float32),
                         numba.get_num_threads())

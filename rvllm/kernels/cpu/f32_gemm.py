@@ -23,7 +23,8 @@ import torch
 from numba import prange
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
-from rvllm.kernels.cpu.gemv import PANEL, Panels
+from rvllm.kernels.cpu.gemv import _EMPTY, PANEL, Panels, _matvec
+from rvllm.kernels.cpu.packed import DIRECT_ROWS, dequant_panel
 from rvllm.kernels.cpu.threads import match_torch_threads
 from rvllm.kernels.cpu.vectors import ROWS, rows_times_tile
 
@@ -67,6 +68,47 @@ def matmul_into(x, w, out, threads):
                             out[r0 + i, p * PANEL + j] = edge[i, j]
 
 
+@numba.njit(parallel=True, cache=True)
+def packed_matmul_into(x, w, out, threads):
+    """``matmul_into`` for packed panels w (``packed``): each panel widened once per
+    chunk of rows into a float32 scratch panel in the L1/L2, which the same tiles then
+    multiply by every six rows of the chunk."""
+    m, k = x.shape
+    n = out.shape[1]
+    panels = w.shape[0]
+    chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
+    for t in prange(threads):
+        lo, hi = panels * t // threads, panels * (t + 1) // threads
+        edge = np.empty((min(chunk, m), PANEL), np.float32)
+        scratch = np.empty((1, k, PANEL), np.float32)
+        for r0 in range(0, m, chunk):
+            count = min(chunk, m - r0)
+            for p in range(lo, hi):
+                dequant_panel(w, p, scratch)
+                if (p + 1) * PANEL <= n:
+                    _rows_by_panel(count, x[r0].ctypes.data, k, scratch.ctypes.data,
+                                   out[r0, p * PANEL:].ctypes.data, n)
+                else:  # outputs past N: through the scratch tile
+                    _rows_by_panel(count, x[r0].ctypes.data, k, scratch.ctypes.data,
+                                   edge.ctypes.data, PANEL)
+                    for i in range(count):
+                        for j in range(n - p * PANEL):
+                            out[r0 + i, p * PANEL + j] = edge[i, j]
+
+
+def panels_matmul(x: torch.Tensor, weight: Panels) -> torch.Tensor:
+    """x [M, K] (float32, contiguous) times a packed weight (``packed``) transposed, for
+    any M: a few rows through ``gemv._matvec`` (read straight from the packed bytes),
+    more through ``packed_matmul_into``."""
+    threads = numba.get_num_threads()
+    out = torch.empty(x.shape[0], weight.rows)
+    if x.shape[0] > 2 * DIRECT_ROWS:
+        packed_matmul_into(x.numpy(), weight.weight, out.numpy(), np.int64(threads))
+    else:
+        _matvec(x.numpy(), weight.weight, weight.scale, _EMPTY, out.numpy(), threads)
+    return out
+
+
 def float32_matmul(x: torch.Tensor, panels: Panels) -> torch.Tensor:
     """x [M, K] (float32) times the float32 weight of ``panels`` transposed."""
     match_torch_threads()
@@ -81,3 +123,11 @@ def warm_up() -> None:
     from rvllm.kernels.cpu.gemv import panels
 
     float32_matmul(torch.zeros(3, 4), panels(torch.zeros(17, 4)))
+
+
+def warm_up_packed() -> None:
+    """Compile (or load from numba's cache) ``packed_matmul_into`` on a tiny input."""
+    from rvllm.kernels.cpu.packed import Q8_0, TYPE_BYTES, QuantizedRows, pack_rows
+
+    data = np.zeros((17, TYPE_BYTES[Q8_0]), np.uint8)
+    panels_matmul(torch.zeros(9, 32), pack_rows([QuantizedRows(Q8_0, data, 32)], 17))

@@ -40,18 +40,25 @@ step (``decoder_step``) calls it too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from rvllm.host_memory import empty_huge_pages
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.packed import (
+    DIRECT_ROWS,
+    dequant_panel,
+    packed_cols,
+    packed_dots,
+    packed_rows,
+    x_sums,
+)
+from rvllm.kernels.cpu.panels import Panels
 from rvllm.kernels.cpu.vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
 
 PANEL = LANES  # output rows a panel holds: one vector of each column
@@ -287,8 +294,29 @@ def _put_panel(out, p, s, rows, b0, sums, scale, bias):
             _put(out[b0 + b], first + j, sums[s * rows + b, j], scale, bias)
 
 
+@numba.njit(fastmath=True, cache=True)
+def _packed_into(x, w, scale, bias, out, lo, hi, sums):
+    """``_panels_into`` for packed panels (``packed``): with at most ``DIRECT_ROWS``
+    rows of x each panel is read straight from its bytes; with more, it is widened once
+    into a float32 scratch panel, which the float32 passes multiply by every four rows."""
+    batch = x.shape[0]
+    if batch <= DIRECT_ROWS:
+        xs = x_sums(x)
+        for p in range(lo, hi):
+            packed_dots(w, p, x, 0, batch, xs, sums.ctypes.data)
+            _put_panel(out, p, 0, batch, 0, sums, scale, bias)
+        return
+    scratch = np.empty((1, x.shape[1], PANEL), np.float32)
+    for p in range(lo, hi):
+        dequant_panel(w, p, scratch)
+        for b0 in range(0, batch, ROWS):
+            rows = min(ROWS, batch - b0)
+            _panel_dots(scratch, 0, x, b0, rows, sums)
+            _put_panel(out, p, 0, rows, b0, sums, scale, bias)
+
+
 @numba.njit(fastmath=True, cache=True, inline="always")
-def _panels_into(x, w, scale, bias, out, lo, hi, sums):
+def _float_panels_into(x, w, scale, bias, out, lo, hi, sums):
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times the per-row scale of an
     int8 W) (+ bias), from W's panels [lo, hi); sums: scratch float32 [SUMS, 16]. The
     share is cut into ``_streams`` runs, read side by side: panel j of each run together.
@@ -333,6 +361,22 @@ def _panels_into(x, w, scale, bias, out, lo, hi, sums):
             _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
+def _panels_into(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+    """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times an int8 W's per-row
+    scale) (+ bias) from W's panels [lo, hi): ``_float_panels_into``, or
+    ``_packed_into`` for packed panels, chosen when compiled (numba-only)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_panels_into, inline="always")
+def _panels_into_overload(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+    into = _packed_into if w.dtype == types.uint8 else _float_panels_into
+
+    def impl(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+        into(x, w, scale, bias, out, lo, hi, sums)
+    return impl
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _matvec(x, w, scale, bias, out, parts):
     """out [B, N] = x [B, K] W^T (times the per-row scale of an int8 W) (+ bias); W as
@@ -360,21 +404,6 @@ def _fill_panels(w, out):
         for i in range(k):
             for j in range(PANEL):
                 out[p, i, j] = w[first + j, i] if j < rows else 0
-
-
-@dataclass(frozen=True, slots=True)
-class Panels:
-    """What a linear layer keeps for ``gemv``: its weight [N, K] as panels [ceil(N / 16),
-    K, 16] (float32, or int8 with its float32 scales, padded with zeros to the panels'
-    16 ceil(N / 16) rows; empty: none), made once so a call converts only x."""
-
-    weight: np.ndarray
-    scale: np.ndarray
-    rows: int  # N
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scale.nbytes
 
 
 def panels(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Panels:
@@ -427,7 +456,11 @@ def embedding_table(weight: torch.Tensor) -> torch.Tensor:
 
 
 def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The rows ``ids`` of an ``embedding_table``: a copy, [*ids.shape, K]."""
+    """The rows ``ids`` of an ``embedding_table``: a copy, [*ids.shape, K] (of packed
+    panels, dequantized)."""
+    if table.dtype == torch.uint8:
+        weight = table.numpy()
+        return packed_rows(weight, ids, packed_cols(weight))
     per = table.shape[2]
     if per == 1:
         return table.view(table.shape[0], table.shape[1])[ids]
@@ -446,9 +479,20 @@ def gemv(x: torch.Tensor, weight: Panels) -> torch.Tensor:
     return out
 
 
-def warm_up(int8: bool = True, float32: bool = True) -> None:
+def warm_up(int8: bool = True, float32: bool = True, packed: bool = False) -> None:
     """Compile (or load from numba's cache) the kernel for float32 weights (unless not
-    ``float32``), and for int8 weights too when ``int8``."""
+    ``float32``), for int8 weights too when ``int8``, and for packed ones when
+    ``packed``."""
+    if packed:
+        from rvllm.kernels.cpu.packed import Q8_0, TYPE_BYTES, QuantizedRows, pack_rows
+        from rvllm.kernels.cpu.packed import warm_up as warm_up_packed
+
+        warm_up_packed()
+        data = np.zeros((2, TYPE_BYTES[Q8_0]), np.uint8)
+        gemv(torch.zeros(1, 32), pack_rows([QuantizedRows(Q8_0, data, 32)], 2))
+        _matvec(np.zeros((3, 32), np.float32), pack_rows([QuantizedRows(Q8_0, data, 32)],
+                                                         2).weight,
+                _EMPTY, _EMPTY, np.empty((3, 2), np.float32), numba.get_num_threads())
     x = torch.zeros(1, 4)
     if float32:
         gemv(x, panels(torch.zeros(2, 4)))

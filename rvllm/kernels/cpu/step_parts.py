@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu.gemv import (
@@ -26,6 +27,7 @@ from rvllm.kernels.cpu.gemv import (
     _streams,
 )
 from rvllm.kernels.cpu.numerics import exp32, narrow_kv
+from rvllm.kernels.cpu.packed import DIRECT_ROWS, dequant_panel, packed_dots, x_sums
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -51,8 +53,49 @@ def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
                       sums[(2 * t + 1) * rows + b, j], scale, bias, inter)
 
 
+@numba.njit(fastmath=True, cache=True)
+def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums):
+    """``_gate_up_share`` over packed panels (``packed``): each gate panel and its up
+    panel read from their bytes for at most ``DIRECT_ROWS`` rows of x, else widened into
+    float32 scratch panels first."""
+    batch = x.shape[0]
+    gate_panels = out.shape[1] // PANEL
+    if batch <= DIRECT_ROWS:
+        xs = x_sums(x)
+        for p in range(lo, hi):
+            packed_dots(w, p, x, 0, batch, xs, sums.ctypes.data)
+            packed_dots(w, p + gate_panels, x, 0, batch, xs,
+                        sums.ctypes.data + batch * PANEL * 4)
+            _silu_panel(out, p, 0, batch, 0, sums, scale, bias, gate_panels * PANEL)
+        return
+    scratch = np.empty((2, x.shape[1], PANEL), np.float32)  # a gate panel, its up panel
+    for p in range(lo, hi):
+        dequant_panel(w, p, scratch[0:1])
+        dequant_panel(w, p + gate_panels, scratch[1:2])
+        for b0 in range(0, batch, ROWS):
+            rows = min(ROWS, batch - b0)
+            _group_dots(scratch, 0, 1, 0, 2, x, b0, rows, sums)
+            _silu_panel(out, p, 0, rows, b0, sums, scale, bias, gate_panels * PANEL)
+
+
+def _gate_up_share(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+    """Gate panels [lo, hi) of ``_gate_up_silu`` (and the up panels beside them):
+    ``_float_gate_up_share``, or ``_packed_gate_up_share`` for packed panels, chosen
+    when compiled (numba-only)."""
+    raise NotImplementedError("numba-only")
+
+
+@overload(_gate_up_share, inline="always")
+def _gate_up_share_overload(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+    share = _packed_gate_up_share if w.dtype == types.uint8 else _float_gate_up_share
+
+    def impl(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+        share(x, w, scale, bias, out, lo, hi, sums)
+    return impl
+
+
 @numba.njit(fastmath=True, cache=True, inline="always")
-def _gate_up_share(x, w, scale, bias, out, lo, hi, sums):
+def _float_gate_up_share(x, w, scale, bias, out, lo, hi, sums):
     """Gate panels [lo, hi) of ``_gate_up_silu`` (and the up panels beside them), read
     side by side: with one row of x two runs of the share, four streams (gate and up of
     each), else two; sums: scratch float32 [SUMS, 16]."""

@@ -7,6 +7,9 @@ reference it must match, and run in Triton's interpreter on the CPU for tests
   ``prefill_attention``  paged prefill attention over a cached prefix
   ``activation``         SiLU * mul
   ``greedy``             argmax sampling
+  ``w4a16``              int4 weight-only linear layers (GEMV and GEMM, split-K)
+  ``fp8_linear``         FP8 (E4M3) weight-only linear layers
+  ``kv_fp8``             the FP8 KV cache's scales (plain torch; the kernels above read it)
   ``check``              the start-up self-check of each against its reference
 
 The kernel modules import triton, so import them where their path is chosen; this
@@ -29,6 +32,13 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "greedy_sample",
 )
+# Checked only by engines that run them (pass them as ``kernels``): the GPU's quantized
+# linear layers (--quantization int4 | fp8) and the FP8 KV cache (--kv-cache-dtype fp8).
+OPTIONAL_KERNEL_NAMES = {
+    "int4": ("w4a16_linear",),
+    "fp8": ("fp8_linear",),
+    "fp8_kv_cache": ("fp8_kv_cache",),
+}
 
 # (device, dtype, kernel) already checked in this process: once is enough.
 _CHECKED: set[tuple[str, torch.dtype, str]] = set()

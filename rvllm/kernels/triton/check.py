@@ -1,7 +1,9 @@
 """Start-up self-check: each kernel against its reference on a small input.
 
 The inputs are small but cover the paths a model takes: GQA, a context that
-crosses cache blocks, split-KV, a cached prefix, a sliding window.
+crosses cache blocks, split-KV, a cached prefix, a sliding window; for the quantized
+linear layers the GEMV and the GEMM, split-K, a K padded to a whole int4 chunk, an N
+that is no multiple of the tile; for the FP8 KV cache its write, decode and prefill.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import torch
 from rvllm.kernels.triton import (
     activation,
     decode_attention,
+    fp8_linear,
     greedy,
+    kv_fp8,
     prefill_attention,
     rms_norm,
     rotary_kv,
+    w4a16,
 )
 
 Outputs = tuple[torch.Tensor, ...]
@@ -100,6 +105,81 @@ def _greedy(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
     return greedy.greedy_sample(logits, block=256), greedy.greedy_sample_ref(logits)
 
 
+def _w4a16(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    n, k, group = 72, 384, 128  # K pads to 512 (chunks of 256)
+    q = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (n, k // group), device=dev).float()
+    scale = (0.5 + torch.rand(n, k // group, device=dev)) / (8 * math.sqrt(k))
+    packed = w4a16.pack_w4a16(q, scale, zero, group)
+    bias = torch.randn(n, device=dev, dtype=dtype)
+    got, want = [], []
+    for rows, split in ((1, None), (3, 2), (20, None), (20, 2)):
+        x = torch.randn(rows, k, device=dev, dtype=dtype)
+        got.append(w4a16.w4a16_linear(x, packed, bias, split_k=split))
+        want.append(w4a16.w4a16_reference(x, q, scale, zero, group, bias))
+    return tuple(got), tuple(want)
+
+
+def _fp8_linear(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    n, k = 72, 200
+    weight, scale = fp8_linear.quantize_fp8_weight(
+        torch.randn(n, k, device=dev) / math.sqrt(k))
+    bias = torch.randn(n, device=dev, dtype=dtype)
+    got, want = [], []
+    for rows, split in ((1, None), (3, 2), (20, None), (20, 2)):
+        x = torch.randn(rows, k, device=dev, dtype=dtype)
+        got.append(fp8_linear.fp8_linear(x, weight, scale, bias, split_k=split))
+        want.append(fp8_linear.fp8_linear_reference(x, weight, scale, bias))
+    return tuple(got), tuple(want)
+
+
+def _fp8_kv_cache(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    """The write into an FP8 cache (against quantizing the kernel's own rotated keys: the
+    rotation is the rotary check's), then decode and prefill attention over it."""
+    num_tokens, head_dim = 5, 32
+    q = torch.randn(num_tokens, 4, head_dim, device=dev, dtype=dtype)
+    k, v = (torch.randn(num_tokens, 2, head_dim, device=dev, dtype=dtype) for _ in range(2))
+    freqs = torch.outer(torch.arange(64.0), 1e4 ** -(torch.arange(0, head_dim, 2) / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1).to(dev)
+    positions = torch.tensor([0, 7, 16, 33, 63], device=dev)
+    slots = torch.tensor([2, 9, -1, 31, 16], device=dev)
+    kv_scale = kv_fp8.new_kv_scale(dev)
+    kv_fp8.calibrate_kv_scale(kv_scale, k, v)
+    caches = [torch.zeros(2, 16, 2, head_dim, device=dev, dtype=kv_fp8.KV_FP8_DTYPE)
+              for _ in range(2)]
+    _, k_out = rotary_kv.rotary_embedding_with_kv_cache(
+        positions, q.clone(), k.clone(), v, emb.cos(), emb.sin(), *caches, slots, kv_scale)
+    written = slots >= 0
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    for cache, new, s in ((caches[0], k_out, kv_scale[0]), (caches[1], v, kv_scale[1])):
+        # Bit-exact in tests; here within one E4M3 step (2^-3 relative, 2^-9 subnormal),
+        # so a rounding tie decided otherwise by some GPU does not stop start-up.
+        stored = cache.view(-1, 2, head_dim)[slots[written]].float()
+        exact = kv_fp8.quantize_kv(new[written], s).float()
+        got.append(((stored - exact).abs() <= exact.abs() / 8 + 2**-9).all())
+        want.append(torch.tensor(True, device=dev))
+
+    key_cache, value_cache, tables = _paged_inputs(dev, dtype, 3, 8, 2)
+    key_cache, value_cache = (kv_fp8.quantize_kv(c, s) for c, s in
+                              ((key_cache, kv_scale[0]), (value_cache, kv_scale[1])))
+    q = torch.randn(3, 8, 32, device=dev, dtype=dtype)
+    seq_lens = torch.tensor([1, 17, 50], device=dev, dtype=torch.int32)
+    args = (q, key_cache, value_cache, tables, seq_lens, 1 / math.sqrt(32))
+    got.append(decode_attention.paged_decode_attention(*args, partition_size=32, block_n=16,
+                                                       kv_scale=kv_scale))
+    want.append(decode_attention.paged_decode_attention_ref(*args, kv_scale=kv_scale))
+    q = torch.randn(25, 8, 32, device=dev, dtype=dtype)
+    query_start_loc = torch.tensor([0, 20, 25], device=dev, dtype=torch.int32)
+    seq_lens = torch.tensor([20, 40], device=dev, dtype=torch.int32)
+    args = (q, key_cache, value_cache, tables[:2], query_start_loc, seq_lens, 20,
+            1 / math.sqrt(32))
+    got.append(prefill_attention.paged_prefill_attention(*args, block_m=16, block_n=16,
+                                                         kv_scale=kv_scale))
+    want.append(prefill_attention.paged_prefill_attention_ref(*args, kv_scale=kv_scale))
+    return tuple(got), tuple(want)
+
+
 CASES: dict[str, Callable[[torch.device, torch.dtype], tuple[Outputs, Outputs]]] = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
@@ -108,6 +188,9 @@ CASES: dict[str, Callable[[torch.device, torch.dtype], tuple[Outputs, Outputs]]]
     "paged_prefill_attention": _prefill,
     "silu_and_mul": _silu_and_mul,
     "greedy_sample": _greedy,
+    "w4a16_linear": _w4a16,
+    "fp8_linear": _fp8_linear,
+    "fp8_kv_cache": _fp8_kv_cache,
 }
 
 

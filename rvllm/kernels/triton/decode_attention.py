@@ -11,6 +11,10 @@ then spread over many programs instead of one per (sequence, KV head).
 The number of partitions comes from the width of ``block_tables``, not from the
 sequence lengths, so a CUDA graph captured with a fixed-width table stays valid
 for any lengths; partitions past a sequence's end exit at once.
+
+An FP8 cache (``kv_fp8``) is widened to the query's dtype as it is loaded (exact), and
+its scales are folded in, not applied per element: the key scale into the softmax
+scale, the value scale into the output.
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 @triton.jit
 def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, max_ptr, sum_ptr,
+    out_ptr, max_ptr, sum_ptr, kv_scale_ptr,
     scale, sliding_window, partition_size,
     q_stride_b, q_stride_h, table_stride,
     cache_stride_block, cache_stride_slot, cache_stride_head,
     out_stride_b, out_stride_h, out_stride_p, stats_stride_b, stats_stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -55,6 +59,8 @@ def _decode_kernel(
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :],
                 mask=q_mask, other=0.0)
+    if KV_FP8:
+        scale = scale * tl.load(kv_scale_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -68,19 +74,22 @@ def _decode_kernel(
                 + kv_head * cache_stride_head)
         kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(key_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # An empty partition (or a zero-length padding row) leaves l_i = 0: write zeros.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(kv_scale_ptr + 1)
     out_ptrs = out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if SPLIT:
         tl.store(out_ptrs + part * out_stride_p, out, mask=q_mask)
@@ -130,7 +139,7 @@ def paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     sliding_window: int | None = None, partition_size: int | None | str = "auto",
-    block_n: int = 64,
+    block_n: int = 64, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -141,13 +150,16 @@ def paged_decode_attention(
     ``block_tables.shape[1] * block_size`` tokens, ``partition_size`` each (a multiple of
     ``block_n``); None, or a size past the width, runs one program per (sequence, KV
     head) and no reduce. "auto" (:func:`auto_partition_size`) picks from the batch.
-    ``block_n``: tokens per tile, a power of two >= 16.
+    ``block_n``: tokens per tile, a power of two >= 16. ``kv_scale``: [k_scale, v_scale]
+    float32 of a float8_e4m3fn cache (``kv_fp8``).
     Returns [B, Hq, D] in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     assert q.stride(2) == 1 and key_cache.stride() == value_cache.stride()
     assert num_heads % num_kv_heads == 0
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    assert kv_fp8 == (kv_scale is not None), "an FP8 cache, and only one, takes kv_scale"
     out = torch.empty_like(q)
     if batch == 0:
         return out
@@ -174,14 +186,14 @@ def paged_decode_attention(
         target, strides = out, (*out.stride()[:2], 0)
     _decode_kernel[(batch, num_kv_heads, num_partitions)](
         q, key_cache, value_cache, block_tables, seq_lens, target, part_max, part_sum,
-        scale, sliding_window or 0, partition_size,
+        kv_scale if kv_fp8 else q, scale, sliding_window or 0, partition_size,
         q.stride(0), q.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         strides[0], strides[1], strides[2],
         part_max.stride(0) if split else 0, part_max.stride(1) if split else 0,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT=split, PRECISION=dot_precision(q.dtype), num_warps=4,
+        SPLIT=split, PRECISION=dot_precision(q.dtype), KV_FP8=kv_fp8, num_warps=4,
     )
     if split:
         _reduce_kernel[(batch, num_heads)](
@@ -197,9 +209,11 @@ def paged_decode_attention(
 def paged_decode_attention_ref(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference for ``paged_decode_attention``, one sequence at a time."""
+    """Plain-torch reference for ``paged_decode_attention``, one sequence at a time (an
+    FP8 cache dequantized to float32 first)."""
+    k_scale, v_scale = (1.0, 1.0) if kv_scale is None else (kv_scale[0], kv_scale[1])
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = torch.zeros_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -212,8 +226,8 @@ def paged_decode_attention_ref(
         keys = key_cache[blocks, pos % block_size].transpose(0, 1)  # [Hk, L, D]
         values = value_cache[blocks, pos % block_size].transpose(0, 1)
         group = q.shape[1] // num_kv_heads
-        keys = keys.repeat_interleave(group, 0).float()
-        values = values.repeat_interleave(group, 0).float()
+        keys = keys.repeat_interleave(group, 0).float() * k_scale
+        values = values.repeat_interleave(group, 0).float() * v_scale
         o = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), keys, values, scale=scale)
         out[i] = o.squeeze(1).to(q.dtype)
     return out

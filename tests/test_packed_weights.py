@@ -1,0 +1,329 @@
+"""GGUF's quantized weights kept packed on the CPU (``kernels.cpu.packed``,
+``--quantization gguf``, the default for a quantized GGUF file), and int4 made at load
+or read from an AWQ checkpoint on the same kernels.
+
+The packed kernels keep the activations in float32, so they compute the float32 product
+with the dequantized weight up to the order of the sums: held here to 1e-5 of the
+largest output (float64 reference), and an engine on packed weights to the same greedy
+tokens as one on the dequantized float32 weights, with logprobs within 1e-3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from rvllm.kernels.cpu import packed as pk
+from rvllm.kernels.cpu.f32_gemm import panels_matmul
+from rvllm.kernels.cpu.gemv import gemv
+from rvllm.models.dequant import dequantize
+
+FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Byte ranges of each block's float16 fields (written finite and small).
+_HALVES = {T.Q8_0: [(0, 2)], T.Q4_0: [(0, 2)], T.Q4_1: [(0, 2), (2, 4)],
+           T.Q4_K: [(0, 2), (2, 4)], T.Q5_K: [(0, 2), (2, 4)], T.Q6_K: [(208, 210)]}
+
+
+def random_rows(fmt: int, n: int, k: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """n rows of k weights as random GGUF blocks of ``fmt`` with finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[fmt]
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for a, b in _HALVES[fmt]:
+        d = (rng.standard_normal((n, k // block, 1)) * scale).astype(np.float16)
+        data[..., a:b] = d.view(np.uint8)
+    return data.reshape(n, -1)
+
+
+def packed_weight(fmt: int, n: int, k: int, seed: int = 0):
+    raw = random_rows(fmt, n, k, seed)
+    return raw, pk.pack_rows([pk.QuantizedRows(int(fmt), raw, k)], n)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread) -> None:  # noqa: ANN001, PT004
+    """The kernels on one thread: numba's pool and torch's agree."""
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_unpacking_the_panels_is_bit_identical_to_the_gguf_package(fmt) -> None:
+    n, k = 37, 512  # rows not a multiple of the 16-row panel
+    raw, panels = packed_weight(fmt, n, k)
+    ours = pk.dequantize_panels(panels.weight, n, k)
+    theirs = gguf.quants.dequantize(raw, fmt).reshape(n, k)
+    assert torch.equal(ours, torch.from_numpy(theirs.astype(np.float32)))
+    assert torch.equal(ours, dequantize(raw, fmt, (n, k)))
+    assert panels.cols == k and panels.rows == n
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int) -> None:
+    n = 53
+    k = 96 if pk.BLOCK_COLS[int(fmt)] == 32 else 768  # K not a multiple of 256 where allowed
+    raw, panels = packed_weight(fmt, n, k, seed=rows)
+    w = dequantize(raw, fmt, (n, k)).double()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    ours = gemv(x, panels) if rows == 1 else panels_matmul(x, panels)
+    ref = x.double() @ w.T
+    assert ours.shape == (rows, n)
+    assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_a_weight_of_mixed_formats_reads_each_panel_by_its_own() -> None:
+    k = 512
+    parts = [pk.QuantizedRows(int(f), random_rows(f, rows, k, seed=i), k)
+             for i, (f, rows) in enumerate([(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 21)])]
+    panels = pk.pack_rows(parts, 69)
+    w = torch.cat([dequantize(p.data, p.fmt, (p.rows, k)) for p in parts])
+    assert torch.equal(pk.dequantize_panels(panels.weight, 69, k), w)
+    x = torch.randn(3, k)
+    ref = x.double() @ w.double().T
+    for rows in (1, 3):
+        ours = gemv(x[:1], panels) if rows == 1 else panels_matmul(x, panels)
+        assert (ours.double() - ref[:rows]).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_packed_parts_must_start_on_a_panel() -> None:
+    parts = [pk.QuantizedRows(int(T.Q8_0), random_rows(T.Q8_0, 10, 32), 32)] * 2
+    with pytest.raises(ValueError, match="panel of 16 rows"):
+        pk.pack_rows(parts, 20)
+
+
+def test_embedding_rows_come_dequantized_from_the_panels() -> None:
+    from rvllm.kernels.cpu.gemv import embedding_rows
+
+    raw, panels = packed_weight(T.Q4_K, 40, 256)
+    ids = torch.tensor([[0, 39, 17], [16, 15, 3]])
+    rows = embedding_rows(torch.from_numpy(panels.weight), ids)
+    assert torch.equal(rows, dequantize(raw, T.Q4_K, (40, 256))[ids])
+
+
+def test_the_packed_bytes_are_the_file_s_within_three_percent() -> None:
+    for fmt in FORMATS:
+        n, k = 4096, 4096
+        block, size = gguf.GGML_QUANT_SIZES[fmt]
+        file_bytes = n * k // block * size
+        ours = n // 16 * pk.panel_bytes(int(fmt), k)
+        assert file_bytes <= ours <= 1.03 * file_bytes, fmt.name
+
+
+def test_int4_groups_pack_as_q4_1_blocks() -> None:
+    from rvllm.models.int4_checkpoint import quantize_int4_rtn
+
+    w = torch.randn(40, 256) * 0.05
+    for group in (32, 128):
+        q = quantize_int4_rtn(w, group)
+        rows = pk.int4_rows(q.q, q.scale, q.zero)
+        ours = dequantize(rows.data, rows.fmt, (40, 256))
+        # float16 d and m: each weight within 1/2048 of 15 d + |m| <= 31 d, under 2%
+        # of a quantization step
+        step = q.scale.repeat_interleave(group, dim=1)
+        assert ((ours - q.dequantize()).abs() <= step / 64).all()
+
+
+# --- models -----------------------------------------------------------------------------
+
+# A tiny llama whose widths are whole k-quant blocks, each projection in its own format
+# as llama.cpp's Q4_K_M mixes them (V and down in Q6_K, an untied Q6_K output).
+_LAYER_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K,
+                "ffn_gate": T.Q4_K, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K}
+
+
+def write_quantized_llama(path: Path, tied: bool = False, layer_types: dict | None = None,
+                          embedding: int = T.Q4_K) -> Path:
+    from test_gguf import sentencepiece_vocab
+
+    tokens, scores, types = sentencepiece_vocab()
+    hidden, inter, heads, kv_heads, layers = 256, 512, 4, 2, 2
+    dim = hidden // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(dim)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    seed = iter(range(1000))
+
+    def add(name: str, fmt: int, n: int, k: int) -> None:
+        raw = random_rows(fmt, n, k, seed=next(seed), scale=0.002)
+        writer.add_tensor(name, raw, raw_shape=(n, raw.shape[1]), raw_dtype=fmt)
+
+    add("token_embd.weight", embedding, len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    if not tied:
+        add("output.weight", T.Q6_K, len(tokens), hidden)
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * dim, hidden),
+              "attn_v": (kv_heads * dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for layer in range(layers):
+        for kind, fmt in (layer_types or _LAYER_TYPES).items():
+            add(f"blk.{layer}.{kind}.weight", fmt, *shapes[kind])
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight",
+                              np.random.default_rng(layer).uniform(0.5, 1.5, hidden)
+                              .astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_quantized_llama(tmp_path_factory.mktemp("packed") / "mixed.gguf")
+
+
+def _generate(path: Path, quantization: str | None, prompts: list[list[int]], **kw):
+    from rvllm import LLM, SamplingParams
+
+    llm = LLM(str(path), quantization=quantization, **kw)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params)
+    return llm, [(o.outputs[0].token_ids,
+                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                 for o in outs]
+
+
+def _assert_same(packed: list, plain: list) -> None:
+    for (ids, lps), (ids_ref, lps_ref) in zip(packed, plain):
+        assert ids == ids_ref
+        assert np.allclose(lps, lps_ref, atol=1e-3)
+
+
+PROMPTS = [[1, 5, 9, 200, 7], [1, 300], list(range(3, 40))]
+
+
+def test_a_quantized_gguf_runs_packed_by_default_and_matches_float32(mixed_llama) -> None:
+    llm, packed = _generate(mixed_llama, None, PROMPTS)
+    engine = llm.engine
+    assert engine.quantization == "gguf" and engine.model.linear_backend == "packed"
+    model = engine.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.linear_kind == "packed" and qkv.weight.numel() == 0
+    assert model.model.embed_tokens.weight.numel() == 0  # its rows are read packed
+    plan = model.model.step_plan()  # the compiled decode step takes the packed panels,
+    assert plan is not None and plan.arrays.like.dtype == np.uint8  # layers of mixed types
+    assert plan.head(model.lm_head) is not None  # and goes on through the Q6_K LM head
+    _, plain = _generate(mixed_llama, "none", PROMPTS)
+    _assert_same(packed, plain)
+
+
+def test_packed_weights_hold_under_batching_chunked_prefill_and_the_torch_path(
+        mixed_llama) -> None:
+    _, plain = _generate(mixed_llama, "none", PROMPTS)
+    _, chunked = _generate(mixed_llama, "gguf", PROMPTS, max_num_batched_tokens=16,
+                           enable_chunked_prefill=True, max_num_seqs=2)
+    _assert_same(chunked, plain)
+    _, torch_path = _generate(mixed_llama, "gguf", PROMPTS, kernel_backend="torch")
+    _assert_same(torch_path, plain)
+
+
+def test_a_tied_q8_0_embedding_feeds_the_lm_head_packed(tmp_path: Path) -> None:
+    path = write_quantized_llama(tmp_path / "tied.gguf", tied=True, embedding=T.Q8_0,
+                                 layer_types={k: T.Q4_1 for k in _LAYER_TYPES})
+    llm, packed = _generate(path, None, PROMPTS)
+    head = llm.engine.model.lm_head
+    assert head.linear_kind == "packed"
+    _, plain = _generate(path, "none", PROMPTS)
+    _assert_same(packed, plain)
+
+
+def test_int4_at_load_runs_on_the_packed_kernels(mixed_llama) -> None:
+    llm, int4 = _generate(mixed_llama, "int4", PROMPTS[:1])
+    assert llm.engine.model.model.layers[0].mlp.down_proj.linear_kind == "packed"
+    assert len(int4[0][0]) == 12
+
+
+def test_quantization_choices_this_machine_cannot_run_are_refused(mixed_llama,
+                                                                  llama_dir) -> None:
+    from rvllm import LLM
+
+    with pytest.raises(ValueError, match="fp8 needs a CUDA GPU"):
+        LLM(str(mixed_llama), quantization="fp8")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        LLM(str(llama_dir), quantization="gguf")
+    with pytest.raises(ValueError, match="not a awq checkpoint"):
+        LLM(str(llama_dir), quantization="awq")
+
+
+def _int4_checkpoint(src: Path, dst: Path, method: str) -> tuple[Path, Path]:
+    """The test Llama's linear weights as an int4 checkpoint (``method``: GPTQ
+    symmetric, group 32, or AWQ, group 32) in ``dst``, and beside it (``dst``-float) the
+    same model with those weights dequantized: what the packed kernels must compute."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_int4_checkpoint import (
+        awq_config,
+        awq_tensors,
+        gptq_config,
+        gptq_tensors,
+        quantize_sym,
+    )
+
+    from rvllm.models.int4_checkpoint import quantize_int4_rtn
+
+    plain = dst.parent / f"{dst.name}-float"
+    for d in (dst, plain):
+        shutil.copytree(src, d)
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+    state = load_file(str(next(src.glob("*.safetensors"))))
+    quantized, dequantized = {}, {}
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, tensor in state.items():
+        if not (name.endswith(".weight") and any(f".{p}." in name for p in linear)):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        q = quantize_sym(tensor, 32) if method == "gptq" else quantize_int4_rtn(tensor, 32)
+        q = type(q)(q.q, q.scale.half().float(), q.zero, q.group)  # scales stored fp16
+        parts = (gptq_tensors(q, gptq_config(32, True)) if method == "gptq"
+                 else awq_tensors(q, awq_config(32)))
+        quantized.update({f"{prefix}.{k}": v for k, v in parts.items()})
+        dequantized[name] = q.dequantize()
+    save_file(quantized, str(dst / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (gptq_config(32, True) if method == "gptq"
+                                     else awq_config(32))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, plain
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_an_int4_checkpoint_runs_packed_like_its_dequantized_weights(
+        method: str, llama_dir: Path, tmp_path: Path) -> None:
+    int4_dir, plain_dir = _int4_checkpoint(llama_dir, tmp_path / method, method)
+    prompts = [[1, 5, 9, 20, 7], list(range(3, 30))]
+    llm, packed = _generate(int4_dir, None, prompts)
+    assert llm.engine.quantization == method
+    assert llm.engine.model.model.layers[1].self_attn.qkv_proj.linear_kind == "packed"
+    _, plain = _generate(plain_dir, None, prompts)
+    if method == "gptq":  # symmetric: d = scale and m = -8 scale are exact in float16
+        _assert_same(packed, plain)
+    else:  # AWQ's m = -scale * zero is rounded to float16: within 1/2048 of each offset
+        for (ids, lps), (ids_ref, lps_ref) in zip(packed, plain):
+            assert ids[:4] == ids_ref[:4]
+            assert np.allclose(lps[:4], lps_ref[:4], atol=2e-2)
