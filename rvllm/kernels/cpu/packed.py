@@ -60,6 +60,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.numerics import prefetch_line
 from rvllm.kernels.cpu.panels import Panels
 from rvllm.kernels.cpu.vectors import _F32, _FAST, _I64, _VEC, LANES, _fma, _int, _splat
 
@@ -352,11 +353,14 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
 
 
 def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
-                     body: Callable[[int, ir.Value, ir.Value], None]) -> None:
-    """Run ``body(fmt, first block's address, block count)`` for the format the panel's
-    header names (a switch over the formats; an unknown code does nothing)."""
+                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None]) -> None:
+    """Run ``body(fmt, first block's address, block count, panel bytes)`` for the format
+    the panel's header names (a switch over the formats; an unknown code does nothing)."""
     fmt = builder.load(builder.inttoptr(panel, _I64.as_pointer()), align=8)
     cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()), align=8)
+    stride16 = builder.load(builder.inttoptr(_at(builder, panel, 16), _I64.as_pointer()),
+                            align=8)
+    stride = builder.mul(stride16, _int(PANEL))
     data = _at(builder, panel, HEADER)
     end = builder.append_basic_block("packed.end")
     switch = builder.switch(fmt, end)
@@ -364,7 +368,7 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
         case = builder.append_basic_block(f"packed.{FORMAT_NAMES[code]}")
         switch.add_case(ir.Constant(_I64, code), case)
         builder.position_at_end(case)
-        body(code, data, builder.sdiv(cols, _int(BLOCK_COLS[code])))
+        body(code, data, builder.sdiv(cols, _int(BLOCK_COLS[code])), stride)
         builder.branch(end)
     builder.position_at_end(end)
 
@@ -372,7 +376,11 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
 def _dots(rows: int):
     """An intrinsic: out[b, 0:16] = x[b] . the panel's 16 rows, for the ``rows`` rows of
     x at x + b * x_step (bytes; float32), xs their sums over every 16 columns at xs + b *
-    xs_step, the panel at address ``panel``, out float32 [rows, 16]."""
+    xs_step, the panel at address ``panel``, out float32 [rows, 16]. Each block asks
+    for the same block of the next panel as it goes: widening the blocks keeps the
+    core busy, and the hardware's prefetchers alone left a thread reading the panels
+    from memory at half the rate it computes them from the cache (SmolLM2's Q4_1
+    layers: 9.6 against 20 G weights/s on one thread)."""
 
     @intrinsic
     def dots(typingctx, panel, x, x_step, xs, xs_step, out):
@@ -381,12 +389,15 @@ def _dots(rows: int):
             zero = ir.Constant(_VEC, [0.0] * LANES)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
 
-            def walk(fmt: int, data: ir.Value, blocks: ir.Value) -> None:
+            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
                 for a in acc:
                     builder.store(zero, a)
                 with cgutils.for_range(builder, blocks) as block:
                     blk = builder.add(data, builder.mul(block.index,
                                                         _int(PANEL_BLOCK_BYTES[fmt])))
+                    ahead = builder.add(blk, stride)
+                    for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
+                        prefetch_line(builder, builder.add(ahead, _int(64 * line)))
                     col0 = builder.mul(block.index, _int(BLOCK_COLS[fmt]))
                     for loop in _loops(builder, fmt, blk):
                         sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
@@ -449,7 +460,7 @@ def _dequant_panel(typingctx, panel, out):
     def codegen(context, builder, signature, args):
         panel, out = args
 
-        def walk(fmt: int, data: ir.Value, blocks: ir.Value) -> None:
+        def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
             with cgutils.for_range(builder, blocks) as block:
                 blk = builder.add(data, builder.mul(block.index, _int(PANEL_BLOCK_BYTES[fmt])))
                 col0 = builder.mul(block.index, _int(BLOCK_COLS[fmt]))
