@@ -113,7 +113,7 @@ def run_engine(path: str, tokens: int) -> dict:
     from rvllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(path, max_model_len=512, kv_cache_memory=0.25)
+    llm = LLM(path, max_model_len=128, kv_cache_memory=0.25)
     load_s = time.perf_counter() - start
     engine = llm.engine
     kv_bytes = engine.runner.kv_cache_block_bytes() * engine.block_manager.num_blocks

@@ -189,6 +189,19 @@ class GGUFFile:
             raise ValueError(f"{self.path} has no general.architecture in its metadata")
         return arch
 
+    def release_pages(self) -> None:
+        """Give back the pages of the file this process has read (``madvise``
+        ``MADV_DONTNEED``): they stay in the page cache, and a later read maps them again,
+        but the process's resident memory no longer counts them. A model keeps no view
+        of the file once loaded (its weights are decoded or repacked copies), so after
+        loading this leaves its resident memory at the weights' own bytes, not those plus
+        the file's."""
+        import mmap
+
+        handle = getattr(self._data, "_mmap", None)
+        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            handle.madvise(mmap.MADV_DONTNEED)
+
     def raw(self, name: str) -> np.ndarray:
         """The bytes of tensor `name` as a uint8 array viewing the memory map."""
         info = self.tensors[name]

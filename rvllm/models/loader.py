@@ -133,8 +133,13 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
         raise ValueError(
             f"the checkpoint in {config.path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
-    return _finish(model, start, cpu_linear_backend, quantization, wait_packing,
-                       defer_reorders)
+    model = _finish(model, start, cpu_linear_backend, quantization, wait_packing,
+                    defer_reorders)
+    if config.gguf_file is not None:
+        from rvllm.models.gguf_file import open_gguf
+
+        open_gguf(config.gguf_file).release_pages()  # the weights are copies now
+    return model
 
 
 def _int4_weights(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig,
