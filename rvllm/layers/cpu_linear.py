@@ -336,7 +336,7 @@ def prepare_linear_weights(model: nn.Module, backend: str = "auto",
     return packed or kind
 
 
-def _pack_parts(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.gemv.Panels | None
+def _pack_parts(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.panels.Panels | None
     """The packed panels of a weight whose rows all came as GGUF blocks
     (``packed_parts``, noted by ``models.base.load_params``), or None where they do not
     cover it or a part starts inside a panel of 16 rows."""
@@ -357,10 +357,11 @@ def pack_quantized(model: nn.Module, quantization: str) -> str | None:
     """Every linear layer and embedding whose weight came as blocks (a GGUF file's, or
     an int4 checkpoint's groups made into Q4_1 blocks; ``packed_parts``) keeps them
     packed (``kernels.cpu.packed``; the layer's ``linear_kind`` "packed"); with
-    ``int4`` every float32 linear weight is quantized to 4 bits at load, groups of 32
-    round-to-nearest (``models.int4_checkpoint.quantize_int4_rtn``), in Q4_1 blocks.
-    An embedding reads its rows from them, dequantized. Returns "packed", or None where
-    nothing was; what could not be is decoded to float32 (``unpack_leftovers``)."""
+    ``int4`` every float32 linear weight but the LM head's is quantized to 4 bits at
+    load, groups of 32 round-to-nearest (``layers.int4.quantize_int4_rtn``), in Q4_1
+    blocks. An embedding reads its rows from them, dequantized. Returns "packed", or
+    None where nothing was; what could not be is decoded to float32
+    (``unpack_leftovers``)."""
     done = False
     for m in model.modules():
         if not (isinstance(m, PackableLinear) and getattr(m, "packable", True)):
@@ -368,8 +369,9 @@ def pack_quantized(model: nn.Module, quantization: str) -> str | None:
         w = m.weight
         if w.device.type != "cpu":
             continue
-        if quantization == "int4":
-            panels = _int4_panels(w) if w.dtype == torch.float32 and w.numel() else None
+        if quantization == "int4":  # the layers, not the vocabulary's rows (as vLLM)
+            panels = (_int4_panels(w) if w.dtype == torch.float32 and w.numel()
+                      and not hasattr(m, "num_embeddings") else None)
         else:
             panels = _pack_parts(w)
         if panels is None:
@@ -393,7 +395,7 @@ def pack_quantized(model: nn.Module, quantization: str) -> str | None:
     return "packed" if done else None
 
 
-def _int4_panels(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.gemv.Panels | None
+def _int4_panels(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.panels.Panels | None
     """A float32 weight quantized to int4 (groups of 32) and packed, or None where its
     width is not whole groups."""
     from rvllm.kernels.cpu.packed import int4_rows, pack_rows
