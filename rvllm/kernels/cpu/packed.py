@@ -29,17 +29,19 @@ kernel sums ``q * x`` over its columns (the integers widened to float32 in regis
 one multiply-add per column for 16 rows) and then adds ``scale * sum - offset * (sum
 of x over the sub-block)``; the sums of x over every 16 columns are made once per call.
 So the result is the float32 product with the dequantized weight up to the order of
-the sums (tested within 1e-5 relative of ``F.linear`` on ``models.dequant``'s weights).
-Quantizing the activations to 8 bits per block, as llama.cpp's dot products do, would
-trade that exactness for integer multiply-adds; at one row the step is bound by
-reading the weights, and the widening costs fewer instructions than the memory
-takes to deliver a block.
+the sums (tested within 1e-5 relative of a float64 product with ``models.dequant``'s
+weights). The price is arithmetic: a thread widens about 20 G weights/s of Q4_1 on a
+2-vCPU Xeon with AVX-512 (the unpacking, conversions and multiply-adds all on the two
+ports that run 512-bit operations), and that, not the memory, bounds a one-row step.
+Quantizing the activations to 8 bits per block and multiplying bytes by bytes, as
+llama.cpp does (VNNI), is the way past it, at the cost of that exactness.
 
 - ``_dots1`` .. ``_dots4``: one panel times 1-4 rows of x, straight from the packed
   bytes: the one-row GEMV of decode and the few-row steps.
 - ``_dequant_panel``: one panel widened into a float32 scratch panel [K, 16]: with more
   rows than ``DIRECT_ROWS`` the panel is widened once and then multiplied by every four
-  rows of x with ``gemv``'s float32 passes, its scratch in the L1/L2 cache.
+  rows of x with ``gemv``'s float32 passes (past 8 rows, by ``f32_gemm``'s six-row
+  tiles), its scratch in the L1/L2 cache.
 
 ``gemv._panels_into`` and the compiled decode steps take these panels (uint8
 ``Panels``) beside the float32 and int8 ones; ``packed_rows`` dequantizes embedding rows
