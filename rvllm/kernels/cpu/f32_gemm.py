@@ -43,12 +43,25 @@ def _rows_by_panel(rows, x, k, panel, c, c_stride):
                         0)
 
 
+@numba.njit(cache=True, inline="always")
+def _chunk_by_panel(x, r0, count, panel, out, p, edge):
+    """Outputs 16p.. of out's rows [r0, r0 + count) = those rows of x times the float32
+    panel at address ``panel``; a last panel past N through the scratch tile edge."""
+    k, n = x.shape[1], out.shape[1]
+    if (p + 1) * PANEL <= n:
+        _rows_by_panel(count, x[r0].ctypes.data, k, panel, out[r0, p * PANEL:].ctypes.data, n)
+        return
+    _rows_by_panel(count, x[r0].ctypes.data, k, panel, edge.ctypes.data, PANEL)
+    for i in range(count):
+        for j in range(n - p * PANEL):
+            out[r0 + i, p * PANEL + j] = edge[i, j]
+
+
 @numba.njit(parallel=True, cache=True)
 def matmul_into(x, w, out, threads):
     """out [M, N] = x [M, K] times the float32 panels w (``float32_matmul``'s arrays;
     threads: numba's thread count), in one call from Python."""
     m, k = x.shape
-    n = out.shape[1]
     panels = w.shape[0]
     chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
     for t in prange(threads):
@@ -57,15 +70,7 @@ def matmul_into(x, w, out, threads):
         for r0 in range(0, m, chunk):
             count = min(chunk, m - r0)
             for p in range(lo, hi):
-                if (p + 1) * PANEL <= n:
-                    _rows_by_panel(count, x[r0].ctypes.data, k, w[p].ctypes.data,
-                                   out[r0, p * PANEL:].ctypes.data, n)
-                else:  # outputs past N: through the scratch tile
-                    _rows_by_panel(count, x[r0].ctypes.data, k, w[p].ctypes.data,
-                                   edge.ctypes.data, PANEL)
-                    for i in range(count):
-                        for j in range(n - p * PANEL):
-                            out[r0 + i, p * PANEL + j] = edge[i, j]
+                _chunk_by_panel(x, r0, count, w[p].ctypes.data, out, p, edge)
 
 
 @numba.njit(parallel=True, cache=True)
@@ -74,7 +79,6 @@ def packed_matmul_into(x, w, out, threads):
     chunk of rows into a float32 scratch panel in the L1/L2, which the same tiles then
     multiply by every six rows of the chunk."""
     m, k = x.shape
-    n = out.shape[1]
     panels = w.shape[0]
     chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
     for t in prange(threads):
@@ -85,15 +89,7 @@ def packed_matmul_into(x, w, out, threads):
             count = min(chunk, m - r0)
             for p in range(lo, hi):
                 dequant_panel(w, p, scratch)
-                if (p + 1) * PANEL <= n:
-                    _rows_by_panel(count, x[r0].ctypes.data, k, scratch.ctypes.data,
-                                   out[r0, p * PANEL:].ctypes.data, n)
-                else:  # outputs past N: through the scratch tile
-                    _rows_by_panel(count, x[r0].ctypes.data, k, scratch.ctypes.data,
-                                   edge.ctypes.data, PANEL)
-                    for i in range(count):
-                        for j in range(n - p * PANEL):
-                            out[r0 + i, p * PANEL + j] = edge[i, j]
+                _chunk_by_panel(x, r0, count, scratch.ctypes.data, out, p, edge)
 
 
 def panels_matmul(x: torch.Tensor, weight: Panels) -> torch.Tensor:

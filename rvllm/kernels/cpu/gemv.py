@@ -53,12 +53,11 @@ from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' ca
 from rvllm.kernels.cpu.packed import (
     DIRECT_ROWS,
     dequant_panel,
-    packed_cols,
     packed_dots,
     packed_rows,
     x_sums,
 )
-from rvllm.kernels.cpu.panels import Panels
+from rvllm.kernels.cpu.panels import Panels, packed_cols
 from rvllm.kernels.cpu.vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
 
 PANEL = LANES  # output rows a panel holds: one vector of each column

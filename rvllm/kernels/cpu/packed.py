@@ -569,11 +569,6 @@ def _rows_of(w, ids, out):
             out[i, c] = scratch[0, c, r % PANEL]
 
 
-def packed_cols(weight: np.ndarray) -> int:
-    """K of a packed weight, from its first panel's header."""
-    return int(weight.reshape(weight.shape[0], -1)[0, 8:16].view(np.int64)[0])
-
-
 def packed_rows(weight: np.ndarray, ids: torch.Tensor, cols: int) -> torch.Tensor:
     """Rows ``ids`` of a packed weight (an embedding), dequantized: [*ids.shape, cols]."""
     flat = ids.reshape(-1).to(torch.int64)

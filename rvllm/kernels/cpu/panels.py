@@ -7,6 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def packed_cols(weight: np.ndarray) -> int:
+    """K of a packed weight (``packed``), from its first panel's header: format, K, ..."""
+    return int(weight.reshape(weight.shape[0], -1)[0, 8:16].view(np.int64)[0])
+
+
 @dataclass(frozen=True, slots=True)
 class Panels:
     """What a linear layer keeps for ``gemv``: its weight [N, K] as panels [ceil(N / 16),
@@ -25,7 +30,4 @@ class Panels:
     @property
     def cols(self) -> int:
         """K: the weight's columns (a packed weight's, from its header)."""
-        if self.weight.dtype != np.uint8:
-            return self.weight.shape[1]
-        # a packed panel's header: format, K, ... (``packed``)
-        return int(self.weight.reshape(self.weight.shape[0], -1)[0, 8:16].view(np.int64)[0])
+        return packed_cols(self.weight) if self.weight.dtype == np.uint8 else self.weight.shape[1]
