@@ -89,6 +89,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="mp: local worker processes; ray: workers placed on a Ray cluster")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='structured output\'s grammar engine and defaults, as JSON: '
+                        '{"backend": "auto" | "guidance" | "xgrammar", '
+                        '"disable_any_whitespace": false, "disable_additional_properties": '
+                        'false}; auto = guidance (llguidance)')
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
@@ -122,6 +127,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         quantization=ns.quantization,
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
+        structured_outputs_config=ns.structured_outputs_config,
         show_progress=True,
     )
 

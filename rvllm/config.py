@@ -247,6 +247,48 @@ class SchedulerConfig:
             )
 
 
+# Grammar engines structured output may run on; auto = guidance (llguidance).
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config``: the grammar engine behind structured output
+    (``auto`` = llguidance, ``guidance``, ``xgrammar``) and engine-wide JSON defaults."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @classmethod
+    def parse(cls, value: StructuredOutputsConfig | dict | str | None
+              ) -> StructuredOutputsConfig:
+        """From a JSON text (the flag), a dict (``LLM(structured_outputs_config=...)``)
+        or None; ValueError names what is wrong."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs_config must be a JSON object.")
+        known = {"backend", "disable_any_whitespace", "disable_additional_properties"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has no key {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(known))}).")
+        config = cls(**value)
+        if config.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend {config.backend!r} is not "
+                             f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}.")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(f"structured_outputs_config {name} must be true or false.")
+        return config
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything a user may set when building an engine (CLI flags map one to one)."""
@@ -287,6 +329,13 @@ class EngineArgs:
     quantization: str | None = None  # int8: int8 weights, dynamic int8 activations (CPU)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # The grammar engine and JSON defaults of structured output (a dict or JSON text is
+    # parsed into StructuredOutputsConfig).
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
+
+    def __post_init__(self) -> None:
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            self.structured_outputs_config)
 
     def resolve_model(self) -> str:
         if self.model:

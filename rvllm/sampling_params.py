@@ -3,9 +3,83 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
+
+# The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the completion's text, as vLLM names it: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - ``regex``: a regular expression the whole output must match;
+    - ``choice``: a list of strings, one of which is the output;
+    - ``grammar``: a context-free grammar, in Lark syntax (or GBNF/EBNF with ``::=``);
+    - ``json_object``: ``True`` for any JSON object.
+
+    ``disable_any_whitespace`` keeps JSON to compact separators (no free whitespace);
+    ``disable_additional_properties`` treats a schema's objects as closed unless they say
+    otherwise; ``whitespace_pattern`` is a regex for the whitespace JSON may use.
+    Each token's allowed set comes from a grammar engine (``--structured-outputs-config``).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS
+                 if getattr(self, k) is not None and getattr(self, k) is not False]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or "
+                f"json_object; got {', '.join(given) or 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object).")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string.")
+        if self.grammar is not None and (not isinstance(self.grammar, str)
+                                         or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings.")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True):
+            raise ValueError("structured_outputs.json_object may only be true.")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS
+                    if getattr(self, k) is not None and getattr(self, k) is not False)
+
+    def key(self) -> str:
+        """A canonical text of the constraint and its options: compiled grammars are
+        cached under it."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                           self.disable_additional_properties, self.whitespace_pattern],
+                          sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -37,6 +111,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model, honoured unless ignore_eos.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -48,6 +123,13 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__annotations__)
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {sorted(unknown)[0]!r}.")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict.")
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         self._verify()

@@ -21,6 +21,10 @@ OK_CHAT = [{"role": "user", "content": "hi"}]
 LONG = "hello world " * 200  # far past the tiny model's 256-token context
 
 # (name, path, body (dict, or raw bytes), status, param the error should name, text in it)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}]
+
 BAD_REQUESTS = [
     ("malformed json", C, b'{"prompt": "a",', 400, None, "JSON"),
     ("body not an object", C, b'["a"]', 400, None, "object"),
@@ -83,11 +87,45 @@ BAD_REQUESTS = [
      400, "top_logprobs", "logprobs"),
     ("chat top_logprobs too many", CHAT,
      {"messages": OK_CHAT, "logprobs": True, "top_logprobs": 25}, 400, "top_logprobs", "20"),
-    ("chat tool_choice required", CHAT, {"messages": OK_CHAT, "tool_choice": "required"},
-     400, "tool_choice", ""),
-    ("chat json response_format", CHAT,
-     {"messages": OK_CHAT, "response_format": {"type": "json_object"}},
-     400, "response_format", "json_object"),
+    ("chat tool_choice without tools", CHAT, {"messages": OK_CHAT, "tool_choice": "required"},
+     400, "tool_choice", "tools"),
+    ("chat tools empty", CHAT, {"messages": OK_CHAT, "tools": []}, 400, "tools", "empty"),
+    ("chat named tool not in tools", CHAT,
+     {"messages": OK_CHAT, "tools": TOOLS,
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "tool_choice", "nope"),
+    ("chat tool_choice unknown", CHAT, {"messages": OK_CHAT, "tools": TOOLS,
+                                        "tool_choice": "always"}, 400, "tool_choice", ""),
+    ("chat auto tools without a parser", CHAT, {"messages": OK_CHAT, "tools": TOOLS},
+     400, "tool_choice", "--tool-call-parser"),
+    ("chat constraint with a named tool", CHAT,
+     {"messages": OK_CHAT, "tools": TOOLS, "guided_regex": "a+",
+      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     400, "tool_choice", "guided"),
+    ("chat json_schema without schema", CHAT,
+     {"messages": OK_CHAT, "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x"}}},
+     400, "response_format", "schema"),
+    ("chat response_format unknown type", CHAT,
+     {"messages": OK_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type",
+     ""),
+    ("schema that does not compile", CHAT,
+     {"messages": OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "strange"}}}}, 400, "response_format", "strange"),
+    ("regex that does not compile", C, {"prompt": "hi", "guided_regex": "([a-z"},
+     400, "guided_regex", "regex"),
+    ("grammar that does not compile", C,
+     {"prompt": "hi", "structured_outputs": {"grammar": "start: undefined_rule"}},
+     400, "structured_outputs", "undefined_rule"),
+    ("two constraint kinds", C, {"prompt": "hi", "structured_outputs": {
+        "regex": "a", "choice": ["a", "b"]}}, 400, "structured_outputs", "exactly one"),
+    ("two constraint fields", C, {"prompt": "hi", "guided_choice": ["a"],
+                                  "response_format": {"type": "json_object"}},
+     400, "guided_choice", "one constraint"),
+    ("empty choice", C, {"prompt": "hi", "guided_choice": []}, 400, "guided_choice", ""),
+    ("unknown structured_outputs key", C,
+     {"prompt": "hi", "structured_outputs": {"yaml": "x"}}, 400, "structured_outputs.yaml",
+     ""),
     ("chat continue without assistant", CHAT,
      {"messages": OK_CHAT, "continue_final_message": True}, 400, "continue_final_message", ""),
     ("chat max_completion_tokens negative", CHAT,

@@ -54,6 +54,12 @@ class EngineSnapshot:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Structured output: constrained requests, and the grammar compile-time histogram
+    # (counts per bucket of structured_output.manager.COMPILE_BUCKETS, then past the last).
+    structured_output_requests: int = 0
+    grammar_compile_buckets: tuple[int, ...] = ()
+    grammar_compile_seconds: float = 0.0
+    grammar_compile_count: int = 0
 
 
 _END = object()  # end of a stream without a finished output (the request was aborted)
@@ -254,6 +260,7 @@ class AsyncEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=engine.scheduler.num_preemptions,
+            **engine.structured_output_stats(),
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -14,10 +14,12 @@ too; they are not restarted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
+from typing import Any
 
 from rvllm.config import EngineArgs, resolve_device
 from rvllm.engine.async_engine import (
@@ -39,7 +41,8 @@ Replica = AsyncEngine | ProcessEngine
 
 # Counters that keep counting across a replica's restart (gauges start afresh).
 _COUNTERS = ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
-             "prefix_cache_hits", "num_preemptions")
+             "prefix_cache_hits", "num_preemptions", "structured_output_requests",
+             "grammar_compile_buckets", "grammar_compile_seconds", "grammar_compile_count")
 
 
 class DataParallelEngine:
@@ -144,10 +147,11 @@ class DataParallelEngine:
             replicas = list(self.replicas)
             retired = dict(self._retired)
         snaps = [r.snapshot() for r in replicas]
-        total = EngineSnapshot(**{f.name: sum(getattr(s, f.name) for s in snaps)
+        total = EngineSnapshot(**{f.name: functools.reduce(_plus, (getattr(s, f.name)
+                                                                  for s in snaps))
                                   for f in dataclasses.fields(EngineSnapshot)})
         for name, value in retired.items():
-            setattr(total, name, getattr(total, name) + value)
+            setattr(total, name, _plus(getattr(total, name), value))
         blocks = max(1, total.num_blocks)
         total.kv_cache_usage = 1.0 - total.num_free_blocks / blocks
         return total
@@ -237,7 +241,8 @@ class DataParallelEngine:
                 if not stopping:
                     final = dead.snapshot()
                     for name in _COUNTERS:
-                        self._retired[name] += getattr(final, name)
+                        self._retired[name] = _plus(self._retired[name],
+                                                    getattr(final, name))
                     self._attach(index, replica)
                     self.replicas[index] = replica
             if stopping:
@@ -245,3 +250,11 @@ class DataParallelEngine:
             else:
                 logger.info("data-parallel replica %d is back (pid %s)", index, replica.pid)
             return
+
+
+def _plus(a: Any, b: Any) -> Any:
+    """Two replicas' counts summed: numbers, or histogram buckets element by element."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        a, b = a or (0,) * len(b), b or (0,) * len(a)
+        return tuple(x + y for x, y in zip(a, b))
+    return a + b

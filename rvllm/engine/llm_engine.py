@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ from rvllm.layers.cpu_linear import (
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
+from rvllm.structured_output import StructuredOutputManager
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("rvllm")
@@ -62,6 +65,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     sent_tokens: list[int] = field(default_factory=list)
+    grammar: Future | None = None  # its structured-output grammar, compiling or compiled
 
     @property
     def finished(self) -> bool:
@@ -172,6 +176,12 @@ class LLMEngine:
         )
         if self.tokenizer is not None:
             self.eos_token_ids |= frozenset(self.tokenizer.eos_token_ids)
+        so = args.structured_outputs_config
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+            so.backend, so.disable_any_whitespace, so.disable_additional_properties)
+        # Requests whose grammar is still compiling: the scheduler sees them once it is.
+        self._grammar_wait: list[Request] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -293,14 +303,23 @@ class LLMEngine:
             if t >= vocab:
                 raise ValueError(f"token id {t} is outside the vocabulary (size {vocab}).")
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        spec = params.structured_outputs
+        if spec is not None:
+            self.structured_outputs.apply_defaults(spec)
+            self.structured_outputs.validate(spec)
         now = time.time() if arrival_time is None else arrival_time
         seqs = [self._new_sequence(request_id, i, prompt_ids, params, now, max_tokens)
                 for i in range(params.n)]
-        self.requests[request_id] = Request(request_id, text, prompt_ids, params, seqs,
-                                            RequestMetrics(arrival_time=now),
-                                            sent_tokens=[0] * params.n)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        request = Request(request_id, text, prompt_ids, params, seqs,
+                          RequestMetrics(arrival_time=now), sent_tokens=[0] * params.n)
+        self.requests[request_id] = request
+        if spec is not None:
+            # Compiled on the manager's threads; scheduled once compiled (_admit_grammars).
+            request.grammar = self.structured_outputs.compile(spec)
+            self._grammar_wait.append(request)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
 
@@ -345,6 +364,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if request in self._grammar_wait:
+            self._grammar_wait.remove(request)
         for seq in request.seqs:
             if not seq.status.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -352,6 +373,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any. The engine cannot step afterwards."""
+        self.structured_outputs.shutdown()
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -379,11 +401,17 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
+        failed = self._admit_grammars() if self._grammar_wait else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting request.")
-            return []
+            if self._grammar_wait and not failed:
+                # Nothing to run until a grammar is ready: wait for one, briefly.
+                wait_futures([r.grammar for r in self._grammar_wait], timeout=0.01,
+                             return_when=FIRST_COMPLETED)
+            now = time.time()
+            return [self._make_output(r, now) for r in failed]
         now = time.time()
         for s in sched.scheduled:
             metrics = self.requests[s.seq.request_id].metrics
@@ -397,7 +425,7 @@ class LLMEngine:
             # a layer's packing (30-70 ms). The panels' huge pages wait for idle time.
             reorder_pending(self.model, limit=1, gemms_only=True)
         now = time.time()
-        moved: dict[str, Request] = {}
+        moved: dict[str, Request] = {r.request_id: r for r in failed}
         for out in step_outputs:
             seq = out.seq
             seq.num_computed_tokens += out.num_new_tokens
@@ -415,6 +443,35 @@ class LLMEngine:
                     self._append_later_tokens(seq, out.later_tokens, now)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
+
+    def _admit_grammars(self) -> list[Request]:
+        """Schedule the requests whose grammar has compiled, each sample with a matcher of
+        its own; finish those whose grammar failed. Returns the failed ones."""
+        failed = []
+        for request in [r for r in self._grammar_wait if r.grammar.done()]:
+            self._grammar_wait.remove(request)
+            try:
+                compiled = request.grammar.result()
+            except Exception as e:  # the backend's compile error, as the request's end
+                logger.warning("request %s: its grammar did not compile: %s",
+                               request.request_id, e)
+                for seq in request.seqs:
+                    seq.stop_reason = str(e)
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                failed.append(request)
+                continue
+            for seq in request.seqs:
+                seq.grammar = self.structured_outputs.matcher(compiled)
+                self.scheduler.add(seq)
+        return failed
+
+    def structured_output_stats(self) -> dict[str, Any]:
+        """The structured-output counters of ``EngineSnapshot``."""
+        so = self.structured_outputs
+        return {"structured_output_requests": so.num_requests,
+                "grammar_compile_buckets": tuple(so.compile_bucket_counts),
+                "grammar_compile_seconds": so.compile_seconds_sum,
+                "grammar_compile_count": so.compile_count}
 
     def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         if self.tp_group is None:
@@ -457,11 +514,23 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.last_token_time = now
         status = check_stop(seq, self.max_model_len, len(delta))
+        if seq.grammar is not None and status is None:
+            status = self._advance_grammar(seq, token)
         if status is not None:
             if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
                 # A character cut off by the end of generation still gets its bytes out.
                 seq.text += seq.detokenizer.flush()
             self.scheduler.finish(seq, status)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:
+        """Move the sequence's grammar past ``token``: the sequence stops where the grammar
+        is complete, and ends with finish reason "error" if the token broke it (the mask
+        allowed nothing, e.g. under a ``logit_bias`` of -100 on every allowed token)."""
+        if not seq.grammar.accept(token):
+            seq.stop_reason = f"the grammar cannot continue: {seq.grammar.error() or token}"
+            return SequenceStatus.FINISHED_ERROR
+        return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_terminated() else None
 
     def _logprob_entry(self, token: int, logprob: float, top_ids: list[int] | None,
                        top_lps: list[float] | None) -> dict[int, Logprob]:

@@ -21,6 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # its structured-output grammar could not go on
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +36,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 _FINISHED = frozenset(_FINISH_REASONS)
 
@@ -53,6 +55,7 @@ class Sequence:
     max_tokens: int
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: Any = None  # the structured-output matcher, once its grammar is compiled
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -407,7 +407,7 @@ class ModelRunner:
             sampling = [outputs[i] for i in plan.sampling]
             rows = [
                 SamplingRow(o.seq.params, o.seq.prompt_token_ids, o.seq.output_token_ids,
-                            o.seq.generator)
+                            o.seq.generator, o.seq.grammar)
                 for o in sampling
             ]
             result = self.sampler(logits[plan.sample_offset:], rows)

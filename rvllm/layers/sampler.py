@@ -1,10 +1,10 @@
 """Batched device sampler: turns one step's logits into one token per sequence.
 
 Order of operations per row (as vLLM): logit_bias, min_tokens masking,
-repetition/frequency/presence penalties; then greedy rows take the argmax and
-random rows go through temperature, top-k, top-p, min-p and an exponential-race
-draw. Every stage is a tensor op over the rows that asked for it; stages nobody
-asked for are skipped. Logprobs are always those of the raw logits.
+repetition/frequency/presence penalties, the structured-output grammar's mask; then
+greedy rows take the argmax and random rows go through temperature, top-k, top-p,
+min-p and an exponential-race draw. Every stage is a tensor op over the rows that
+asked for it; stages nobody asked for are skipped. Logprobs are always those of the raw logits.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
+import numpy as np
 import torch
 
 from rvllm.layers.backend import use_numba, use_triton
@@ -29,6 +31,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far for this sequence
     generator: torch.Generator | None  # per-sequence generator when params.seed is set
+    # The sequence's structured-output matcher (``fill(bitmask, row)``), if it has one.
+    grammar: Any = None
 
 
 @dataclass(slots=True)
@@ -71,11 +75,13 @@ def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     it: greedy, no logprobs, and nothing for ``process_logits`` to do (no logit_bias, not
     under min_tokens, no penalties)."""
     return (params.is_greedy and params.logprobs is None and not params.logit_bias
-            and num_output_tokens >= params.min_tokens and not params.needs_penalties)
+            and num_output_tokens >= params.min_tokens and not params.needs_penalties
+            and params.structured_outputs is None)
 
 
 def process_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Return ``raw`` [B, V] after each row's logit_bias, min_tokens mask and penalties.
+    """Return ``raw`` [B, V] after each row's logit_bias, min_tokens mask, penalties and
+    grammar mask.
 
     This is what greedy rows take the argmax of. ``raw`` is never modified; it
     is returned as is when no row asked for any of these.
@@ -83,7 +89,8 @@ def process_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     has_bias = any(r.params.logit_bias for r in rows)
     has_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
     penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-    if not (has_bias or has_min_tokens or penalty_rows):
+    grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not (has_bias or has_min_tokens or penalty_rows or grammar_rows):
         return raw
     logits = raw.clone()
     if has_bias:
@@ -101,7 +108,32 @@ def process_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
             _row_tensor([r.params.frequency_penalty for r in sub], logits),
             _row_tensor([r.params.presence_penalty for r in sub], logits),
         )
+    if grammar_rows:
+        apply_grammar_masks_(logits, grammar_rows, [rows[i].grammar for i in grammar_rows])
     return logits
+
+
+def _widen_on_host(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu"
+
+
+def apply_grammar_masks_(logits: torch.Tensor, row_ids: list[int], grammars: list[Any]) -> None:
+    """Set to -inf, in place, each listed row's tokens that its grammar does not allow
+    next. The grammars fill one int32 bitmask on the host (bit ``t % 32`` of word
+    ``t // 32`` is token ``t``); it is widened to a boolean mask where the logits are."""
+    vocab_size = logits.shape[1]
+    bitmask = torch.zeros((len(row_ids), (vocab_size + 31) // 32), dtype=torch.int32)
+    for j, grammar in enumerate(grammars):
+        grammar.fill(bitmask, j)
+    if _widen_on_host(logits):
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits[:, :vocab_size]).bool()
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        words = bitmask.to(logits.device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    idx = _index_tensor(row_ids, logits)
+    logits[idx] = logits[idx].masked_fill(~allowed, _NEG_INF)
 
 
 def apply_logit_bias_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -57,9 +57,12 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
+              tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
-    down with the app."""
+    down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
+    whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -71,7 +74,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None) 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     completions = CompletionServing(engine, served_model_name)
-    chat = ChatServing(engine, served_model_name)
+    chat = ChatServing(engine, served_model_name, tool_call_parser, enable_auto_tool_choice)
     metrics = ServerMetrics(engine, served_model_name)
     started = int(time.time())
 
@@ -148,7 +151,8 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
             # modules (50-75 ms here), so that its readiness is all that is left.
             started.load_tokenizer()
             name = served_name(ns, started.args.resolve_model())
-            server = http_server(ns, build_app(started, name, ns.api_key))
+            server = http_server(ns, build_app(started, name, ns.api_key, ns.tool_call_parser,
+                                                    ns.enable_auto_tool_choice))
             started.wait_ready()
         except BaseException:
             started.shutdown(timeout=5.0)
@@ -161,7 +165,8 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
         else:
             engine = AsyncEngine.from_engine_args(serve_engine_args(ns))
         name = served_name(ns, engine.model_path)
-        server = http_server(ns, build_app(engine, name, ns.api_key))
+        server = http_server(ns, build_app(engine, name, ns.api_key, ns.tool_call_parser,
+                                               ns.enable_auto_tool_choice))
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     resume_collector()
     for replica in replicas:

@@ -7,6 +7,10 @@ import argparse
 
 from rvllm.cli_args import add_engine_args
 
+# The --tool-call-parser names (server/tool_parsers.py's TOOL_PARSERS, kept here so the
+# CLI parses without importing the server).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The ``rvllm serve`` flags: server options plus every engine flag, vLLM's names."""
@@ -24,6 +28,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine in the server's process (by default it has a "
                         "process of its own, which loads the model while the server starts)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"): its calls '
+                        "are read out of its text by --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
+                        "SmolLM2's <tool_call> form), llama3_json (Llama 3.1/3.2), mistral")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -38,6 +48,9 @@ def serve_engine_args(ns: argparse.Namespace):  # noqa: ANN201 - EngineArgs
     is up: packing later would hold the GIL while the server starts.)"""
     from rvllm.cli_args import engine_args_from_namespace
 
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(TOOL_CALL_PARSERS)}).")
     args = engine_args_from_namespace(ns)
     args.defer_weight_packing = not ns.disable_frontend_multiprocessing
     return args

@@ -51,7 +51,7 @@ def bad_request(e: ValueError, fields: set[str] | frozenset[str] = frozenset()) 
     """A ValueError from SamplingParams or the engine; their messages start with the
     field name when one field is to blame."""
     message = str(e)
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
     param = first if first in fields else None
     code = "context_length_exceeded" if "maximum context length" in message else None
     return APIError(message, 400, param, code)

@@ -11,10 +11,15 @@ import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from rvllm.engine.async_engine import AsyncEngine
+from rvllm.engine.async_engine import AsyncEngine, EngineSnapshot
 from rvllm.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -65,6 +70,27 @@ class _EngineCollector(Collector):
                       s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.",
                       s.num_preemptions)
+        yield counter("vllm:structured_output_requests",
+                      "Requests with a structured-output constraint (response_format, "
+                      "structured_outputs, guided_*, or a forced tool call).",
+                      s.structured_output_requests)
+        yield self._compile_histogram(s, labels, values)
+
+    @staticmethod
+    def _compile_histogram(s: EngineSnapshot, labels: list[str], values: list[str]
+                           ) -> HistogramMetricFamily:
+        from rvllm.structured_output.manager import COMPILE_BUCKETS
+
+        counts = list(s.grammar_compile_buckets) or [0] * (len(COMPILE_BUCKETS) + 1)
+        cumulative, total = [], 0
+        for bound, count in zip([*map(str, COMPILE_BUCKETS), "+Inf"], counts):
+            total += count
+            cumulative.append((bound, total))
+        h = HistogramMetricFamily("vllm:structured_output_compile_seconds",
+                                  "Time to compile a structured-output grammar (cache hits "
+                                  "are not compiled).", labels=labels)
+        h.add_metric(values, cumulative, sum_value=s.grammar_compile_seconds)
+        return h
 
 
 class ServerMetrics:

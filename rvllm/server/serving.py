@@ -25,7 +25,9 @@ DONE = "data: [DONE]\n\n"
 PARAM_FIELDS = frozenset({
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "prompt",
+    "prompt_logprobs", "logit_bias", "prompt", "response_format", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_whitespace_pattern",
 })
 
 
@@ -65,9 +67,12 @@ class ServingBase:
         return int(time.time())
 
     async def add_requests(self, request_id: str, prompts: Sequence[PromptType],
-                           params: SamplingParams, final_only: bool) -> list[RequestStream]:
+                           params: SamplingParams, final_only: bool,
+                           constraint_field: str = "structured_outputs"
+                           ) -> list[RequestStream]:
         """Queue every prompt at once (one engine drain, not one per prompt); if any is
-        refused, withdraw the others and answer 400."""
+        refused, withdraw the others and answer 400 (a constraint's error names
+        ``constraint_field``, the field the client sent it in)."""
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, final_only) for rid, p in zip(ids, prompts)),
@@ -81,7 +86,10 @@ class ServingBase:
                 self.engine.abort(rid)
         err = errors[0]
         if isinstance(err, ValueError):
-            raise bad_request(err, PARAM_FIELDS)
+            api_error = bad_request(err, PARAM_FIELDS)
+            if api_error.param == "structured_outputs":
+                api_error.param = constraint_field
+            raise api_error
         if isinstance(err, EngineDeadError):
             raise APIError(str(err), 503)
         raise err

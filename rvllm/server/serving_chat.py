@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,8 +12,9 @@ from fastapi.responses import JSONResponse, Response
 
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
 from rvllm.outputs import Logprob, RequestOutput
+from rvllm.sampling_params import StructuredOutputsParams
 from rvllm.server.errors import APIError, bad_request, error_event
-from rvllm.server.protocol import ChatCompletionRequest, ChatMessage
+from rvllm.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from rvllm.server.serving import (
     DONE,
     PARAM_FIELDS,
@@ -23,20 +25,33 @@ from rvllm.server.serving import (
     usage,
 )
 from rvllm.server.serving_completion import prompt_logprobs_json
+from rvllm.server.tool_parsers import (
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+    parse_tool_calls_json,
+)
 from rvllm.tokenizer import Tokenizer
 
 
 class ChatServing(ServingBase):
     id_prefix = "chatcmpl"
 
+    def __init__(self, engine: Any, model_name: str, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
+        super().__init__(engine, model_name)
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
     async def create(self, body: bytes, request: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
         self.check_model(req.model)
         _check_supported(req)
+        tools = _ToolUse(req, self.tool_parser if self.enable_auto_tool_choice else None)
         prompt_ids = render_chat_prompt(self.engine.tokenizer, req.messages,
                                         _add_generation_prompt(req),
-                                        req.continue_final_message, req.tools, req.chat_template,
-                                        req.chat_template_kwargs)
+                                        req.continue_final_message, tools.template_tools,
+                                        req.chat_template, req.chat_template_kwargs)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -47,27 +62,32 @@ class ChatServing(ServingBase):
             if err.param == "max_tokens" and req.max_completion_tokens is not None:
                 err.param = "max_completion_tokens"  # the name the client used
             raise err from e
+        tools.constrain(params)
         request_id = self.new_id()
         streams = await self.add_requests(request_id, [prompt_ids], params,
-                                          final_only=not req.stream)
+                                          final_only=not req.stream,
+                                          constraint_field=tools.field(req))
         if req.stream:
-            return self.sse_response(self._stream(req, request_id, streams[0]), streams)
+            return self.sse_response(self._stream(req, tools, request_id, streams[0]),
+                                     streams)
         try:
             (final,) = await self.collect(streams, request)
         finally:
             self.abort_unfinished(streams)
-        return JSONResponse(self._response(req, request_id, final))
+        return JSONResponse(self._response(req, tools, request_id, final))
 
-    def _response(self, req: ChatCompletionRequest, request_id: str,
+    def _response(self, req: ChatCompletionRequest, tools: _ToolUse, request_id: str,
                   final: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in final.outputs:
+            content, calls = tools.extract(c.text)
             choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                "message": {"role": "assistant", "content": content,
+                            "tool_calls": [_tool_call_json(call) for call in calls]},
                 "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                 if req.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": _finish_reason(c.finish_reason, calls),
                 "stop_reason": c.stop_reason,
             })
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -78,7 +98,7 @@ class ChatServing(ServingBase):
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str,
+    async def _stream(self, req: ChatCompletionRequest, tools: _ToolUse, request_id: str,
                       stream: RequestStream) -> AsyncIterator[str]:
         created = self.created()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -86,6 +106,7 @@ class ChatServing(ServingBase):
         extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
+        tool_streams = [tools.stream() for _ in range(req.n)]
         prompt_tokens = completion_tokens = 0
         try:
             # The role comes first, before any token, as OpenAI sends it.
@@ -108,10 +129,19 @@ class ChatServing(ServingBase):
                     sent_text[i], sent_tokens[i] = len(c.text), end
                     logprobs = _chat_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
                                               req.top_logprobs or 0) if req.logprobs else None
-                    delta = {"content": text} if text or not c.finish_reason else {}
+                    finish_reason = c.finish_reason
+                    if tool_streams[i] is None:
+                        delta = {"content": text} if text or not c.finish_reason else {}
+                    else:
+                        delta = tool_streams[i].feed(text, bool(c.finish_reason))
+                        if finish_reason:
+                            finish_reason = _finish_reason(finish_reason,
+                                                           tool_streams[i].tool_calls)
+                        elif not delta and logprobs is None:
+                            continue  # held back: it may be the start of a tool call
                     chunks.append(sse({**head, "choices": [
                         {"index": i, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                         "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
                         **extra}))
                 if chunks:
                     yield "".join(chunks)
@@ -125,6 +155,182 @@ class ChatServing(ServingBase):
         yield DONE
 
 
+class _ToolUse:
+    """What ``tools`` and ``tool_choice`` ask of one request: the tools the template
+    renders, the grammar that forces a call (``required``, or a named function), and how
+    the generated text becomes ``tool_calls`` (parsed by the server's tool-call parser
+    under ``auto``)."""
+
+    def __init__(self, req: ChatCompletionRequest, auto_parser: ToolParser | None) -> None:
+        self.template_tools = ([t.model_dump(exclude_none=True) for t in req.tools]
+                               if req.tools is not None else None)
+        self.parallel = req.parallel_tool_calls is not False
+        self.named: str | None = None
+        self.parser: ToolParser | None = None
+        choice = req.tool_choice
+        if req.tools is not None and not req.tools:
+            raise APIError("tools must not be empty: leave it out for no tools.",
+                           param="tools")
+        if choice is not None and req.tools is None:
+            raise APIError("tool_choice needs tools.", param="tool_choice")
+        if choice is None:
+            choice = "auto" if req.tools else "none"
+        self.mode = "named" if isinstance(choice, NamedToolChoice) else choice
+        if self.mode in ("named", "required") and _has_constraint(req):
+            raise APIError(f"tool_choice {self.mode!r} forces its own output format: it "
+                           "cannot be combined with response_format, structured_outputs "
+                           "or guided_*.", param="tool_choice")
+        functions = {t.function.name: t.function for t in req.tools or []}
+        if isinstance(choice, NamedToolChoice):
+            self.named = choice.function.name
+            if self.named not in functions:
+                raise APIError(f"tool_choice names the function {self.named!r}, which is not "
+                               "in tools.", param="tool_choice")
+            self.schema: Any = functions[self.named].parameters or {"type": "object"}
+        elif self.mode == "required":
+            self.schema = _required_schema(list(functions.values()), self.parallel)
+        elif self.mode == "auto":
+            if auto_parser is None:
+                raise APIError('"auto" tool choice needs the server started with '
+                               "--enable-auto-tool-choice and --tool-call-parser.",
+                               param="tool_choice")
+            self.parser = auto_parser
+
+    def field(self, req: ChatCompletionRequest) -> str:
+        """The field a constraint's error names: tool_choice for a forced call."""
+        return "tool_choice" if self.mode in ("named", "required") else req.constraint_field()
+
+    def constrain(self, params: Any) -> None:
+        """The grammar that forces the call, on the request's SamplingParams; a parser
+        whose markers are special tokens ([TOOL_CALLS], <|python_tag|>) needs them kept
+        in the text."""
+        if self.mode in ("named", "required"):
+            params.structured_outputs = StructuredOutputsParams(json=self.schema)
+        if self.parser is not None and self.parser.name in ("mistral", "llama3_json"):
+            params.skip_special_tokens = False
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message's content and tool calls from a choice's whole text."""
+        if self.mode == "named":
+            return None, [ToolCall(new_tool_call_id(), self.named or "", text)]
+        if self.mode == "required":
+            calls = parse_tool_calls_json(text)
+            return (text, []) if calls is None else (None, self._limit(calls))
+        if self.mode == "auto" and self.parser is not None:
+            found = self.parser.extract(text)
+            if found.tool_calls:
+                return found.content, self._limit(found.tool_calls)
+        return text, []
+
+    def stream(self) -> _ToolStream | None:
+        """Per-choice state that turns text deltas into OpenAI deltas; None for text."""
+        if self.mode == "named":
+            return _ToolStream(None, self.named, self.parallel)
+        if self.mode == "required":
+            return _ToolStream(get_tool_parser("hermes"), None, self.parallel,
+                               prefix="<tool_call>")
+        if self.mode == "auto" and self.parser is not None:
+            return _ToolStream(self.parser, None, self.parallel)
+        return None
+
+    def _limit(self, calls: list[ToolCall]) -> list[ToolCall]:
+        return calls if self.parallel else calls[:1]
+
+
+class _ToolStream:
+    """One streamed choice's tool calls: OpenAI deltas from the text's deltas. A named
+    function's arguments are the whole text; otherwise a tool-call parser's stream finds
+    the calls (``required``'s JSON list is read as hermes' list form)."""
+
+    def __init__(self, parser: ToolParser | None, named: str | None, parallel: bool,
+                 prefix: str = "") -> None:
+        self.named = named
+        self.parallel = parallel
+        self.started = False
+        self.calls: list[ToolCall] = []
+        self.parser_stream = parser.start_stream() if parser is not None else None
+        if self.parser_stream is not None and prefix:
+            self.parser_stream.feed(prefix)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        if self.parser_stream is None:
+            return self.calls
+        calls = self.parser_stream.tool_calls
+        return calls if self.parallel else calls[:1]
+
+    def feed(self, text: str, final: bool) -> dict[str, Any]:
+        if self.parser_stream is None:  # a named function: the text is its arguments
+            deltas = []
+            if not self.started:
+                self.started = True
+                self.calls.append(ToolCall(new_tool_call_id(), self.named or "", ""))
+                deltas.append(_call_delta(0, self.calls[0].id, self.named, text))
+            elif text:
+                deltas.append(_call_delta(0, None, None, text))
+            self.calls[0].arguments += text
+            return {"tool_calls": deltas} if deltas else {}
+        out = self.parser_stream.feed(text)
+        content, calls = out.content, list(out.tool_calls)
+        if final:
+            end = self.parser_stream.finish()
+            content += end.content
+            calls += end.tool_calls
+        if not self.parallel:
+            calls = [d for d in calls if d.index == 0]
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [_call_delta(d.index, d.id, d.name, d.arguments)
+                                   for d in calls]
+        return delta
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_delta(index: int, call_id: str | None, name: str | None,
+                arguments: str) -> dict[str, Any]:
+    """One tool call's delta: the first carries its id, type and name."""
+    if call_id is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _required_schema(functions: list[Any], parallel: bool) -> dict[str, Any]:
+    """A JSON list of at least one call (at most one without parallel calls), each the
+    name of one of the tools and arguments that match its parameters' schema."""
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [f.name]},
+                             "parameters": f.parameters or {"type": "object"}},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for f in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _has_constraint(req: ChatCompletionRequest) -> bool:
+    return ((req.response_format is not None and req.response_format.type != "text")
+            or req.structured_outputs is not None
+            or any(v is not None for v in (req.guided_json, req.guided_regex,
+                                           req.guided_choice, req.guided_grammar)))
+
+
 def _check_supported(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
@@ -133,13 +339,6 @@ def _check_supported(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}.",
                        param="top_logprobs")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice may be 'none' or 'auto': rvllm does not force tool calls.",
-                       param="tool_choice")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(f"response_format type {fmt!r} is not supported (only 'text').",
-                       param="response_format")
     if req.continue_final_message:
         if req.messages[-1].role != "assistant":
             raise APIError("continue_final_message needs an assistant message last.",

@@ -48,7 +48,8 @@ class CompletionServing(ServingBase):
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
         request_id = self.new_id()
-        streams = await self.add_requests(request_id, prompts, params, final_only=not req.stream)
+        streams = await self.add_requests(request_id, prompts, params, final_only=not req.stream,
+                                          constraint_field=req.constraint_field())
         if req.stream:
             return self.sse_response(self._stream(req, request_id, streams), streams)
         try:
