@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLMEngine": "rvllm.engine.llm_engine",
     "EngineArgs": "rvllm.config",
     "SamplingParams": "rvllm.sampling_params",
+    "StructuredOutputsParams": "rvllm.sampling_params",
     "RequestOutput": "rvllm.outputs",
     "CompletionOutput": "rvllm.outputs",
     "Sampler": "rvllm.sampler",
@@ -20,8 +21,8 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "Sampler", "sample_batch", "Tokenizer", "__version__",
+    "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
+    "RequestOutput", "CompletionOutput", "Sampler", "sample_batch", "Tokenizer", "__version__",
 ]
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from rvllm.engine.llm_engine import LLMEngine
     from rvllm.outputs import CompletionOutput, RequestOutput
     from rvllm.sampler import Sampler, sample_batch
-    from rvllm.sampling_params import SamplingParams
+    from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
     from rvllm.tokenizer import Tokenizer
 
 
