@@ -212,6 +212,34 @@ def test_payload_streams_with_usage_and_ignore_eos() -> None:
     assert body["messages"][0]["role"] == "user" and "prompt" not in body
 
 
+def test_structured_outputs_payload_and_workload_config() -> None:
+    from rvllm.bench.serve import bench_json_schema, workload_config
+    from rvllm.sampling_params import StructuredOutputsParams
+
+    def body(*argv: str) -> dict:
+        ns = serve_ns("--num-prompts", "1", *argv)
+        return request_payload(ns, "m", build_dataset(ns)[0])
+
+    plain = body()
+    assert not {"response_format", "structured_outputs"} & set(plain)
+    assert workload_config(serve_ns())["structured_outputs"] == "none"
+    chat = body("--endpoint", "chat", "--structured-outputs", "json")
+    fmt = chat["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["schema"] == bench_json_schema()
+    schema = body("--structured-outputs", "json")["structured_outputs"]["json"]
+    assert 5 <= len(schema["properties"]) <= 8
+    assert schema["properties"]["address"]["type"] == "object"
+    StructuredOutputsParams(json=schema)  # a schema the engine takes
+    assert body("--endpoint", "chat", "--structured-outputs", "json_object")[
+        "response_format"] == {"type": "json_object"}
+    assert body("--structured-outputs", "choice")["structured_outputs"]["choice"]
+    assert "regex" in body("--structured-outputs", "regex")["structured_outputs"]
+    ns = serve_ns("--structured-outputs", "regex")
+    assert workload_config(ns)["structured_outputs"] == "regex"
+    with pytest.raises(SystemExit):
+        serve_ns("--structured-outputs", "yaml")
+
+
 def test_stream_events_are_read_for_text_and_usage() -> None:
     assert parse_stream_event('{"choices":[{"text":"hi"}]}', "completions") == (True, None)
     assert parse_stream_event('{"choices":[{"delta":{"content":""}}]}', "chat") == (False, None)

@@ -129,13 +129,14 @@ def test_choice_regex_and_grammar(client, model, stream):
     content, _, _ = chat(client, model, stream, messages=ASK,
                          extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{2,8} [0-9]{2}"}})
     assert re.fullmatch("[A-Z][a-z]{2,8} [0-9]{2}", content), content
-    grammar = 'start: term (("+" | "*") term)*\nterm: /[0-9]{1,3}/ | "(" start ")"'
+    # Arithmetic of at most three terms, one of them maybe in parentheses: it always ends.
+    grammar = ('start: term (op term)? (op term)?\nop: "+" | "*"\n'
+               'term: NUM | "(" NUM op NUM ")"\nNUM: /[0-9]{1,3}/')
     content, finish, _ = chat(client, model, stream, max_tokens=40,
                               messages=[{"role": "user", "content": "Write a sum."}],
                               extra_body={"structured_outputs": {"grammar": grammar}})
-    if finish == "stop":
-        assert re.fullmatch(r"[0-9()+*]+", content), content
-        eval(content, {"__builtins__": {}})  # arithmetic that parses  # noqa: S307
+    assert finish == "stop" and re.fullmatch(r"[0-9()+*]+", content), content
+    assert isinstance(eval(content, {"__builtins__": {}}), int)  # it parses  # noqa: S307
 
 
 def test_completions_take_the_same_constraints(client, model):
@@ -168,6 +169,14 @@ def test_named_tool_call_follows_its_schema(client, model, stream):
     assert finish == "tool_calls" and list(calls) == [0] and not content
     assert calls[0]["name"] == "get_time"
     jsonschema.validate(json.loads(calls[0]["arguments"]), TOOLS[1]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parallel_tool_calls_false_keeps_one_call(client, model, stream):
+    ask = [{"role": "user", "content": "Weather in Paris and in Rome, and the time in Tokyo?"}]
+    _, finish, calls = chat(client, model, stream, messages=ask, tools=TOOLS,
+                            tool_choice="required", parallel_tool_calls=False)
+    assert finish == "tool_calls" and list(calls) == [0]
 
 
 def test_streamed_tool_arguments_equal_the_whole_ones(client, model):

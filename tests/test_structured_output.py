@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -202,3 +203,27 @@ def test_mask_widening_on_a_device_matches_the_host_path() -> None:
     finally:
         sampler._widen_on_host = original
     assert torch.equal(torch.isfinite(dev), torch.isfinite(host))
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(llm: LLM, monkeypatch) -> None:
+    engine = llm.engine
+    manager = engine.structured_outputs
+    release = threading.Event()
+    compile_now = manager._compile
+
+    def slow_compile(spec):
+        assert release.wait(60), "the test never released the compile"
+        return compile_now(spec)
+
+    monkeypatch.setattr(manager, "_compile", slow_compile)
+    engine.add_request("held", PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=dict(choice=["never", "seen"])))
+    engine.add_request("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4))
+    finished = set()
+    while "free" not in finished:
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert "held" not in finished and engine.requests["held"].seqs[0].num_output_tokens == 0
+    release.set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert "held" in finished

@@ -4,7 +4,8 @@ Requests arrive as a Poisson process at ``--request-rate`` (all at once by defau
 most ``--max-concurrency`` in flight, each streamed so TTFT is the arrival of the first
 token. Reports vLLM's metric names: request and output-token throughput and the
 mean/median/p90/p95/p99 of TTFT, TPOT, ITL and E2EL. Works against rvllm, vLLM and
-llama.cpp's ``llama-server`` alike.
+llama.cpp's ``llama-server`` alike. ``--structured-outputs json`` (or json_object, choice,
+regex) makes every request a constrained one, to see what a grammar costs a server.
 """
 
 from __future__ import annotations
@@ -26,6 +27,36 @@ from rvllm.bench.stats import RequestTiming, serve_metrics
 
 FIXED_PROMPT = ("The history of computing is a story of machines that learned to follow "
                 "instructions faster than the people who wrote them. ")
+
+# ``--structured-outputs``: the constraint every request carries, if any.
+STRUCTURED_OUTPUT_KINDS = ("none", "json", "json_object", "choice", "regex")
+BENCH_CHOICES = ["positive", "negative", "neutral", "mixed"]
+BENCH_REGEX = r"[A-Z][a-z]{2,12} [A-Z][a-z]{2,12}, [0-9]{1,3}, [a-z]{3,12}@[a-z]{3,10}\.(com|org)"
+
+
+def bench_json_schema(name_field: str = "name") -> dict[str, Any]:
+    """A typical JSON schema of a record: seven typed fields, one of them an object of
+    three, closed objects with every field required (as OpenAI's strict mode wants).
+    ``name_field`` renames the first field, for schemas of the same shape that differ."""
+    address = {"type": "object",
+               "properties": {"city": {"type": "string", "maxLength": 32},
+                              "country": {"type": "string", "maxLength": 32},
+                              "postal_code": {"type": "string", "maxLength": 10}},
+               "required": ["city", "country", "postal_code"],
+               "additionalProperties": False}
+    properties = {
+        name_field: {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["engineer", "designer", "manager", "analyst",
+                                            "other"]},
+        "active": {"type": "boolean"},
+        "rating": {"type": "number"},
+        "address": address,
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                 "maxItems": 3},
+    }
+    return {"title": "Record", "type": "object", "properties": properties,
+            "required": list(properties), "additionalProperties": False}
 
 
 @dataclass(slots=True)
@@ -67,6 +98,11 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", default=None, help="engine name recorded in the JSON")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one request may take before it counts as failed")
+    parser.add_argument("--structured-outputs", choices=STRUCTURED_OUTPUT_KINDS,
+                        default="none",
+                        help="constrain every request: json (a typical nested schema, as "
+                             "response_format json_schema on chat and structured_outputs on "
+                             "completions), json_object, choice or regex (default none)")
 
 
 def _lengths(base: int, ratio: float, count: int, rng: random.Random) -> list[int]:
@@ -148,7 +184,32 @@ def request_payload(ns: argparse.Namespace, model: str, req: BenchRequest) -> di
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
+    payload.update(structured_output_fields(getattr(ns, "structured_outputs", "none"),
+                                            ns.endpoint))
     return payload
+
+
+def structured_output_fields(kind: str, endpoint: str) -> dict[str, Any]:
+    """The request fields of a ``--structured-outputs`` kind: OpenAI's ``response_format``
+    for JSON on chat, vLLM's ``structured_outputs`` object otherwise."""
+    if kind == "none":
+        return {}
+    if kind == "json":
+        schema = bench_json_schema()
+        if endpoint == "chat":
+            return {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "record", "schema": schema}}}
+        return {"structured_outputs": {"json": schema}}
+    if kind == "json_object":
+        if endpoint == "chat":
+            return {"response_format": {"type": "json_object"}}
+        return {"structured_outputs": {"json_object": True}}
+    if kind == "choice":
+        return {"structured_outputs": {"choice": list(BENCH_CHOICES)}}
+    if kind == "regex":
+        return {"structured_outputs": {"regex": BENCH_REGEX}}
+    raise ValueError(f"--structured-outputs must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                     f", got {kind!r}.")
 
 
 def parse_stream_event(data: str, endpoint: str) -> tuple[bool, int | None]:
@@ -256,7 +317,8 @@ def workload_config(ns: argparse.Namespace) -> dict[str, Any]:
             "random_output_len": ns.random_output_len,
             "random_range_ratio": ns.random_range_ratio,
             "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
-            "ignore_eos": ns.ignore_eos, "seed": ns.seed}
+            "ignore_eos": ns.ignore_eos, "seed": ns.seed,
+            "structured_outputs": getattr(ns, "structured_outputs", "none")}
 
 
 def print_serve_result(result: dict[str, Any]) -> None:

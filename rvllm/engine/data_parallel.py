@@ -255,6 +255,7 @@ class DataParallelEngine:
 def _plus(a: Any, b: Any) -> Any:
     """Two replicas' counts summed: numbers, or histogram buckets element by element."""
     if isinstance(a, tuple) or isinstance(b, tuple):
-        a, b = a or (0,) * len(b), b or (0,) * len(a)
-        return tuple(x + y for x, y in zip(a, b))
+        a, b = (tuple(v) if isinstance(v, tuple) else () for v in (a, b))
+        n = max(len(a), len(b))
+        return tuple(x + y for x, y in zip(a + (0,) * (n - len(a)), b + (0,) * (n - len(b))))
     return a + b
