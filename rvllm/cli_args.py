@@ -89,6 +89,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="mp: local worker processes; ray: workers placed on a Ray cluster")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+                        '"prompt_lookup_max": 4, "disable_by_batch_size": 4}: prompt '
+                        "lookup proposes tokens that the model verifies in one step; the "
+                        "output is the same as without it")
     g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help='structured output\'s grammar engine and defaults, as JSON: '
                         '{"backend": "auto" | "guidance" | "xgrammar", '
@@ -128,6 +134,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         structured_outputs_config=ns.structured_outputs_config,
+        speculative_config=ns.speculative_config,
         show_progress=True,
     )
 

@@ -333,9 +333,16 @@ class EngineArgs:
     # parsed into StructuredOutputsConfig).
     structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
 
+    # Speculative decoding (vLLM's JSON; a dict or JSON text is parsed into
+    # spec_decode.config.SpeculativeConfig). None: off.
+    speculative_config: Any = None
+
     def __post_init__(self) -> None:
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config)
+        from rvllm.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     def resolve_model(self) -> str:
         if self.model:

@@ -99,3 +99,143 @@ def test_self_draft_layers_default_to_a_quarter_and_stay_below_the_model():
         too_many.draft_layers(4)
     assert SpeculativeConfig.parse('{"method": "[ngram]", "num_speculative_tokens": 4}'
                                    ).method == "ngram"
+
+
+# ---------------------------------------------------------------- in the engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def _repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so prompt lookup finds drafts to verify."""
+    g = torch.Generator().manual_seed(4)
+    prompts = []
+    for n in (3, 5, 8, 13):
+        piece = torch.randint(3, 300, (n,), generator=g).tolist()
+        prompts.append(piece * 4)
+    return prompts
+
+
+def _generate(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_ngram_speculation_keeps_greedy_output(model_dirs, arch, backend, monkeypatch):
+    from rvllm import LLM, SamplingParams
+    from rvllm.executor.model_runner import ModelRunner
+
+    compiled = []
+    verify = ModelRunner._compiled_verify_step
+
+    def counted(self, ordered, plan):
+        out = verify(self, ordered, plan)
+        compiled.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_compiled_verify_step", counted)
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _repetitive_prompts()
+    plain = LLM(str(model_dirs[arch]), kernel_backend=backend)
+    expected = _generate(plain, prompts, params)
+    del plain
+    spec = LLM(str(model_dirs[arch]), kernel_backend=backend, speculative_config=NGRAM)
+    assert _generate(spec, prompts, params) == expected
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 0, "the prompts should have given drafts to keep"
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    per_pos = stats.accepted_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert sum(per_pos) == stats.num_accepted_tokens
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # no block left behind by rejected drafts
+    # On the CPU's numba path the drafts are verified in the compiled decode call.
+    assert any(compiled) == (backend == "numba")
+
+
+def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llama_dir):
+    from rvllm import LLM, SamplingParams
+
+    prompts = _repetitive_prompts()
+    kinds = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            repetition_penalty=1.3)]
+
+    def run(llm):
+        engine = llm.engine
+        for i, (prompt, params) in enumerate(zip(prompts, kinds)):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(prompts))]
+
+    roomy = LLM(str(llama_dir))
+    expected = run(roomy)
+    del roomy
+    config = {**NGRAM, "disable_by_batch_size": 8}
+    tight = LLM(str(llama_dir), speculative_config=config, num_gpu_blocks=14, block_size=8,
+                max_model_len=96, max_num_batched_tokens=48)
+    assert run(tight) == expected  # the sampled, seeded one included
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert run(tight) == expected  # again, from the prefix cache
+    assert tight.engine.spec_stats.num_accepted_tokens > 0
+    bm = tight.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(llama_dir):
+    from rvllm import LLM, SamplingParams
+
+    llm = LLM(str(llama_dir), speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, n=2, max_tokens=30,
+                            ignore_eos=True)
+    prompts = _repetitive_prompts()
+    assert _generate(llm, prompts, params) == _generate(llm, prompts, params)
+
+
+def test_proposers_not_built_yet_are_refused_at_start(llama_dir):
+    from rvllm import LLM
+
+    with pytest.raises(ValueError, match="not available yet"):
+        LLM(str(llama_dir), speculative_config={"method": "self_draft",
+                                                "num_speculative_tokens": 2})
+
+
+def test_server_takes_the_flag_and_reports_vllm_metrics(llama_dir):
+    import json
+
+    import httpx
+    from server_helpers import ServerProcess, scrape
+
+    server = ServerProcess(llama_dir, "--speculative-config", json.dumps(NGRAM))
+    try:
+        prompt = _repetitive_prompts()[1]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+        m = scrape(server.url)
+
+        def value(name: str) -> float:
+            return m[name]
+
+        drafted = value("vllm:spec_decode_num_draft_tokens_total")
+        accepted = value("vllm:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= drafted and value("vllm:spec_decode_num_drafts_total") > 0
+        per_pos = [m[k] for k in sorted(
+            (k for k in m if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")),
+            key=lambda k: int(k.split("position=")[1].rstrip("}")))]
+        assert len(per_pos) == NGRAM["num_speculative_tokens"] and sum(per_pos) == accepted
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    finally:
+        server.stop()
+    with pytest.raises(RuntimeError, match="exited"):
+        ServerProcess(llama_dir, "--speculative-config", '{"method": "medusa", '
+                      '"num_speculative_tokens": 2}', timeout=60)

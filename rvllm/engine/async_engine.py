@@ -60,6 +60,12 @@ class EngineSnapshot:
     grammar_compile_buckets: tuple[int, ...] = ()
     grammar_compile_seconds: float = 0.0
     grammar_compile_count: int = 0
+    # Speculative decoding: steps of one sequence that verified drafts, drafted and
+    # accepted tokens, and acceptances by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
 
 
 _END = object()  # end of a stream without a finished output (the request was aborted)
@@ -260,7 +266,7 @@ class AsyncEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=engine.scheduler.num_preemptions,
-            **engine.structured_output_stats(),
+            **engine.snapshot_counters(),
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -42,7 +42,9 @@ Replica = AsyncEngine | ProcessEngine
 # Counters that keep counting across a replica's restart (gauges start afresh).
 _COUNTERS = ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
              "prefix_cache_hits", "num_preemptions", "structured_output_requests",
-             "grammar_compile_buckets", "grammar_compile_seconds", "grammar_compile_count")
+             "grammar_compile_buckets", "grammar_compile_seconds", "grammar_compile_count",
+             "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens", "spec_decode_accepted_per_pos")
 
 
 class DataParallelEngine:

@@ -148,6 +148,15 @@ def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
             f"tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
+def check_speculative(args: EngineArgs) -> None:
+    """Prompt lookup (ngram) is the proposer built so far: refuse the others at start-up
+    rather than run without them."""
+    config = args.speculative_config
+    if config is not None and config.method != "ngram":
+        raise ValueError(f"speculative_config method {config.method!r} is not available "
+                         "yet; use \"ngram\" (prompt lookup).")
+
+
 def preemption_mode(args: EngineArgs) -> str:
     if args.num_cpu_blocks < 0:
         raise ValueError(f"num_cpu_blocks must be >= 0, got {args.num_cpu_blocks}.")

@@ -23,6 +23,7 @@ from rvllm.config import (
 from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.engine_startup import (
     check_scheduler_steps,
+    check_speculative,
     preemption_mode,
     resolve_quantization,
     scheduler_config,
@@ -42,9 +43,12 @@ from rvllm.layers.cpu_linear import (
     finish_linear_weights,
     reorder_pending,
 )
+from rvllm.layers.sampler import speculation_allowed
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
+from rvllm.spec_decode.config import SpeculativeConfig
+from rvllm.spec_decode.ngram import propose_ngram
 from rvllm.structured_output import StructuredOutputManager
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -96,6 +100,7 @@ class LLMEngine:
             args.num_scheduler_steps > 1, self.quantization in PACKED_QUANTIZATIONS,
             self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
+        check_speculative(args)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -182,6 +187,8 @@ class LLMEngine:
             so.backend, so.disable_any_whitespace, so.disable_additional_properties)
         # Requests whose grammar is still compiling: the scheduler sees them once it is.
         self._grammar_wait: list[Request] = []
+        self.speculative_config = args.speculative_config
+        self.spec_stats = _SpecStats(self.speculative_config)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -402,7 +409,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report every request that moved."""
         failed = self._admit_grammars() if self._grammar_wait else []
+        if self.speculative_config is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
+        if self.speculative_config is not None:
+            self._trim_drafts(sched)
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting request.")
@@ -418,6 +429,8 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
+        if self.speculative_config is not None:
+            self._settle_drafts(step_outputs)
         self.idle.stepped()
         if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
             # Deferred oneDNN packing, under load: a layer a step, on steps that a packed
@@ -465,13 +478,74 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def structured_output_stats(self) -> dict[str, Any]:
-        """The structured-output counters of ``EngineSnapshot``."""
+    def _propose_drafts(self) -> None:
+        """Propose the next tokens of every running sequence that decodes and may
+        speculate, appended to its tokens so that the scheduler gives it their slots."""
+        config = self.speculative_config
+        assert config is not None
+        running = self.scheduler.running
+        if len(running) > config.disable_by_batch_size:
+            return
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not speculation_allowed(
+                    seq.params, seq.num_output_tokens):
+                continue
+            if seq.spec_skip > 0:
+                seq.spec_skip -= 1
+                continue
+            # Never past max_tokens or the context: the drafts and the target's token.
+            k = min(config.num_speculative_tokens,
+                    seq.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+            if k < 1:
+                continue
+            draft = propose_ngram(seq.token_ids, k, config.prompt_lookup_min,
+                                  config.prompt_lookup_max)
+            if draft:
+                seq.spec_tokens = draft
+                seq.token_ids.extend(draft)
+
+    def _trim_drafts(self, sched: SchedulerOutput) -> None:
+        """Keep of each sequence's drafts the ones its scheduled tokens cover; a sequence
+        not scheduled, preempted or swapped out loses them."""
+        scheduled = {id(s.seq): s.num_new_tokens for s in sched.scheduled}
+        for seq in list(self.scheduler.running) + sched.preempted + list(self.scheduler.swapped):
+            if seq.spec_tokens:
+                keep = max(0, min(len(seq.spec_tokens), scheduled.get(id(seq), 1) - 1))
+                self._drop_drafts(seq, keep)
+
+    @staticmethod
+    def _drop_drafts(seq: Sequence, keep: int = 0) -> None:
+        """Take a sequence's drafts past the first ``keep`` back out of its tokens."""
+        extra = len(seq.spec_tokens) - keep
+        if extra > 0:
+            del seq.token_ids[len(seq.token_ids) - extra:]
+        seq.spec_tokens = seq.spec_tokens[:keep]
+
+    def _settle_drafts(self, outputs: list[SeqStepOutput]) -> None:
+        """After verification: drafts out of the tokens (the engine appends the kept ones
+        as tokens), the counters, and each sequence's back-off: one that kept nothing
+        waits 1, 2, 4, ... up to 16 steps before it proposes again."""
+        for out in outputs:
+            seq = out.seq
+            if not seq.spec_tokens:
+                continue
+            self._drop_drafts(seq)
+            self.spec_stats.add(out.num_drafts, out.num_accepted)
+            if out.num_accepted == 0:
+                seq.spec_backoff = min(16, max(1, 2 * seq.spec_backoff))
+                seq.spec_skip = seq.spec_backoff
+            else:
+                seq.spec_backoff = 0
+        self.spec_stats.maybe_log()
+
+    def snapshot_counters(self) -> dict[str, Any]:
+        """The structured-output and speculative-decoding counters of ``EngineSnapshot``."""
         so = self.structured_outputs
         return {"structured_output_requests": so.num_requests,
                 "grammar_compile_buckets": tuple(so.compile_bucket_counts),
                 "grammar_compile_seconds": so.compile_seconds_sum,
-                "grammar_compile_count": so.compile_count}
+                "grammar_compile_count": so.compile_count, **self.spec_stats.snapshot()}
 
     def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         if self.tp_group is None:
@@ -592,6 +666,43 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens,
             new_token_counts=counts,
         )
+
+
+class _SpecStats:
+    """Speculative decoding's counters, under vLLM's metric names, and its log line."""
+
+    LOG_INTERVAL_S = 10.0
+
+    def __init__(self, config: SpeculativeConfig | None) -> None:
+        k = config.num_speculative_tokens if config is not None else 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+        self._logged = (0, 0, time.monotonic())
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def maybe_log(self) -> None:
+        drafts, accepted, at = self._logged
+        now = time.monotonic()
+        if now - at < self.LOG_INTERVAL_S or self.num_drafts == drafts:
+            return
+        new_drafts = self.num_drafts - drafts
+        new_accepted = self.num_accepted_tokens - accepted
+        logger.info("speculative decoding: mean acceptance length %.2f over %d drafts "
+                    "(%d of their tokens accepted)", 1 + new_accepted / new_drafts,
+                    new_drafts, new_accepted)
+        self._logged = (self.num_drafts, self.num_accepted_tokens, now)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_accepted_per_pos": tuple(self.accepted_per_pos)}
 
 
 def _visible_text(seq: Sequence) -> str:

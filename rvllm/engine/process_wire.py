@@ -178,7 +178,7 @@ def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
         prompt_tokens=engine.stats["prompt_tokens"],
         generation_tokens=engine.stats["generation_tokens"],
         prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
-        num_preemptions=engine.scheduler.num_preemptions, **engine.structured_output_stats())
+        num_preemptions=engine.scheduler.num_preemptions, **engine.snapshot_counters())
 
 
 def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:

@@ -56,6 +56,11 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     grammar: Any = None  # the structured-output matcher, once its grammar is compiled
+    # Speculative decoding: this step's proposed tokens, appended to token_ids until the
+    # step has verified them; and how many steps to wait before proposing again.
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_backoff: int = 0
+    spec_skip: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

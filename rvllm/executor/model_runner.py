@@ -21,7 +21,13 @@ from rvllm.forward_context import (
 )
 from rvllm.host_memory import populate
 from rvllm.layers.backend import use_numba, use_triton
-from rvllm.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, plain_greedy
+from rvllm.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_prompt_logprobs,
+    plain_greedy,
+    verify_drafts,
+)
 
 if TYPE_CHECKING:
     from rvllm.kernels.cpu.decoder_step import DecodeLogits
@@ -43,6 +49,9 @@ class SeqStepOutput:
     # The tokens (and logprobs) of the decode steps after the first, when one step ran
     # several (``SchedulerOutput.num_steps``): the engine appends them in turn.
     later_tokens: tuple[tuple[int, float], ...] = ()
+    # Speculative decoding: the drafts this step verified, and how many it kept.
+    num_drafts: int = 0
+    num_accepted: int = 0
 
 
 def bind_fp8_kv_scales(layers: list[nn.Module], device: torch.device) -> None:
@@ -211,7 +220,41 @@ class ModelRunner:
             outputs = self._compiled_step(decodes, plan, sched.num_steps)
             if outputs is not None:
                 return outputs
+        if (prefills and self.decode_graphs is None and self.tp_group is None and use_numba()
+                and not plan.prompt and all(_verifies(s) for s in prefills)):
+            outputs = self._compiled_verify_step(ordered, plan)
+            if outputs is not None:
+                return outputs
         return self._execute(sched, decodes, prefills, plan, decode_only)
+
+    def _compiled_verify_step(self, ordered: list[ScheduledSeq], plan: _LogitsPlan
+                              ) -> list[SeqStepOutput] | None:
+        """Decodes and speculating sequences (their last token and drafts) in one compiled
+        CPU decode call: each token is a row at its own position over the sequence's
+        block table. The call writes every row's K/V before any row attends, so the
+        rows of one sequence attend causally, as a prefill's would. None where the call
+        does not cover the step."""
+        decode_logits = getattr(self.model, "decode_logits", None)
+        if decode_logits is None:
+            return None
+        bs = self.block_size
+        rows = [(s.seq, s.seq.num_computed_tokens + j) for s in ordered
+                for j in range(s.num_new_tokens)]
+        count = len(rows)
+        ids, pos, slots = (np.empty(count, np.int64) for _ in range(3))
+        width = max(p for _, p in rows) // bs + 1
+        tables = np.zeros((count, width), np.int64)
+        for i, (seq, p) in enumerate(rows):
+            table = seq.block_table
+            ids[i], pos[i], slots[i] = seq.token_ids[p], p, table[p // bs] * bs + p % bs
+            used = table[:width]
+            tables[i, :len(used)] = used
+        compiled = decode_logits(ids, pos, slots, tables, False)
+        if compiled is None:
+            return None
+        with torch.inference_mode():
+            logits = compiled.logits[torch.tensor(plan.rows, dtype=torch.long)]
+            return self._sample(ordered, plan, logits)
 
     def _compiled_step(self, decodes: list[ScheduledSeq], plan: _LogitsPlan, num_steps: int
                        ) -> list[SeqStepOutput] | None:
@@ -402,6 +445,19 @@ class ModelRunner:
                 logits[first:first + count], torch.tensor(next_ids, device=logits.device), k
             )
             out.prompt_next_ids = next_ids
+        for i, (first, count) in plan.spec.items():
+            out = outputs[i]
+            seq = out.seq
+            assert logits is not None
+            draft = seq.spec_tokens[:count - 1]
+            tokens, logprobs = verify_drafts(logits[first:first + count], draft, seq.params,
+                                             seq.generator)
+            # The kept drafts' positions count as computed, one at a time, as the engine
+            # appends each token (later_tokens), like a multi-step decode.
+            out.num_new_tokens = 1
+            out.token_id, out.logprob = tokens[0], logprobs[0]
+            out.later_tokens = tuple(zip(tokens[1:], logprobs[1:]))
+            out.num_drafts, out.num_accepted = len(draft), len(tokens) - 1
         if plan.sampling:
             assert logits is not None
             sampling = [outputs[i] for i in plan.sampling]
@@ -420,6 +476,12 @@ class ModelRunner:
         return outputs
 
 
+def _verifies(s: ScheduledSeq) -> bool:
+    """A speculating sequence scheduled with its last token and drafts, nothing else."""
+    seq = s.seq
+    return bool(seq.spec_tokens) and s.samples and s.num_new_tokens == len(seq.spec_tokens) + 1
+
+
 @dataclass(slots=True)
 class _LogitsPlan:
     """Which hidden rows need logits: prompt-logprob rows first, then one row per
@@ -430,6 +492,9 @@ class _LogitsPlan:
     prompt: dict[int, tuple[int, int, list[int]]] = field(default_factory=dict)
     sampling: list[int] = field(default_factory=list)  # indices in `ordered`
     sample_offset: int = 0
+    # index in `ordered` -> (first logits row, row count): a speculating sequence's rows,
+    # its last committed token's and each draft's
+    spec: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
@@ -448,7 +513,10 @@ def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
                 plan.prompt[i] = (len(plan.rows), last - first,
                                   seq.token_ids[first + 1:last + 1])
                 plan.rows.extend(range(start + first - ctx, start + last - ctx))
-        if s.samples:
+        if seq.spec_tokens and s.samples:
+            plan.spec[i] = (len(plan.rows), n)
+            plan.rows.extend(range(start, start + n))
+        elif s.samples:
             sample_rows.append(start + n - 1)
             plan.sampling.append(i)
         start += n

@@ -338,6 +338,45 @@ def _raw_logprobs(
     return sampled, top_ids, top_vals - lse
 
 
+def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[list[int], list[float]]:
+    """Speculative decoding's check of one sequence: ``logits`` [len(draft) + 1, V] are the
+    target's at the last committed token and at each draft token. Returns the committed
+    tokens (the drafts kept, then one of the target's own) and their raw logprobs.
+
+    Greedy keeps a draft while it equals the argmax, so the tokens are greedy decoding's;
+    sampling is exact rejection sampling over temperature, top-k/top-p and min-p's
+    distribution (a proposer without probabilities: q = 1 at its token). Only for rows
+    ``speculation_allowed`` admits: nothing else changes their logits."""
+    from rvllm.spec_decode.rejection import rejection_sample, verify_greedy
+
+    raw = logits.float()
+    if params.is_greedy:
+        tokens = verify_greedy(raw.argmax(dim=-1).tolist(), draft)
+    else:
+        rows = [SamplingRow(params, (), (), generator)] * raw.shape[0]
+        scaled = raw / params.temperature
+        vocab_size = raw.shape[1]
+        if params.top_k > 0 or params.top_p < 1.0:
+            top_k = params.top_k if params.top_k > 0 else vocab_size
+            scaled = apply_top_k_top_p(scaled, _index_tensor([top_k] * len(rows), raw),
+                                       _row_tensor([params.top_p] * len(rows), raw))
+        if params.min_p > 0.0:
+            scaled = apply_min_p(scaled, _row_tensor([params.min_p] * len(rows), raw))
+        tokens = rejection_sample(scaled.softmax(dim=-1), draft, None, generator)
+    lse = raw[: len(tokens)].logsumexp(dim=-1)
+    picked = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return tokens, (picked - lse).tolist()
+
+
+def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sequence's next tokens may be proposed and verified: nothing may make
+    one position's logits depend on the tokens before it beyond the model itself (no
+    penalties, logit_bias, grammar, min_tokens still due) and no top logprobs are asked."""
+    return (params.logprobs is None and not params.logit_bias and not params.needs_penalties
+            and params.structured_outputs is None and num_output_tokens >= params.min_tokens)
+
+
 def compute_prompt_logprobs(
     logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
 ) -> tuple[list[float], list[list[int]], list[list[float]]]:

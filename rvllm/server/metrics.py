@@ -75,6 +75,19 @@ class _EngineCollector(Collector):
                       "structured_outputs, guided_*, or a forced tool call).",
                       s.structured_output_requests)
         yield self._compile_histogram(s, labels, values)
+        yield counter("vllm:spec_decode_num_drafts",
+                      "Speculative steps: a sequence's drafts verified once.",
+                      s.spec_decode_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      s.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.spec_decode_num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the draft.",
+                                      labels=[*labels, "position"])
+        for pos, count in enumerate(s.spec_decode_accepted_per_pos):
+            per_pos.add_metric([*values, str(pos)], count)
+        yield per_pos
 
     @staticmethod
     def _compile_histogram(s: EngineSnapshot, labels: list[str], values: list[str]

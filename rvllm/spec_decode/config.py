@@ -25,6 +25,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     num_draft_layers: int | None = None
+    # Steps with more running sequences than this do not speculate (vLLM's name): a
+    # wide batch already reads each weight once for many tokens.
+    disable_by_batch_size: int = 4
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -56,7 +59,8 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not one of "
                              f"{', '.join(SPECULATIVE_METHODS)}.")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer of at least "
