@@ -192,6 +192,40 @@ def test_fixed_and_chat_datasets_are_text(tmp_path: Path) -> None:
     assert isinstance(chat[0].prompt, str) and chat[0].prompt != chat[1].prompt
 
 
+def test_quote_dataset_quotes_package_text_deterministically(tmp_path: Path) -> None:
+    import random
+
+    from rvllm.bench.serve import (
+        QUOTE_INSTRUCTIONS,
+        quote_prompts,
+        quote_sources,
+        workload_config,
+    )
+
+    def quote(*argv: str) -> list:
+        return build_dataset(serve_ns("--dataset", "quote", "--endpoint", "chat",
+                                      "--num-prompts", "6", *argv))
+
+    reqs = quote("--random-output-len", "64")
+    assert [r.prompt for r in reqs] == [r.prompt for r in quote("--random-output-len", "64")]
+    assert [r.prompt for r in reqs] != [r.prompt for r in quote("--seed", "1")]
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in quote_sources())
+    for r in reqs:
+        instruction, passage = r.prompt.split("\n\n", 1)
+        assert instruction in QUOTE_INSTRUCTIONS and r.output_len == 64
+        body = passage.removeprefix("```python\n").removesuffix("\n```")
+        assert body.strip() and body in sources  # whole lines of the package's own text
+        assert 120 <= r.prompt_len <= 460  # ~300 tokens at 3.5 characters a token
+    assert workload_config(serve_ns("--dataset", "quote"))["quote_len"] == 300
+    # Short passages from a given source, and a source too short to quote is refused.
+    text = tmp_path / "notes.md"
+    text.write_text("".join(f"line {i} of the notes\n" for i in range(40)))
+    short = quote_prompts(3, 20, random.Random(0), [text])
+    assert all(p.split("\n\n", 1)[1] in text.read_text() for p in short)
+    with pytest.raises(ValueError, match="no source text"):
+        quote_prompts(1, 400, random.Random(0), [text])
+
+
 def test_jsonl_dataset_cycles_its_lines_and_rejects_bad_ones(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "hello there", "output_len": 7}\n{"prompt": "bye"}\n')

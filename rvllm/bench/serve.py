@@ -6,6 +6,8 @@ token. Reports vLLM's metric names: request and output-token throughput and the
 mean/median/p90/p95/p99 of TTFT, TPOT, ITL and E2EL. Works against rvllm, vLLM and
 llama.cpp's ``llama-server`` alike. ``--structured-outputs json`` (or json_object, choice,
 regex) makes every request a constrained one, to see what a grammar costs a server.
+``--dataset quote`` asks to repeat or lightly reformat a passage of rvllm's own source or
+docs given in the prompt, the input-quoting work where prompt-lookup speculation pays.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ FIXED_PROMPT = ("The history of computing is a story of machines that learned to
 STRUCTURED_OUTPUT_KINDS = ("none", "json", "json_object", "choice", "regex")
 BENCH_CHOICES = ["positive", "negative", "neutral", "mixed"]
 BENCH_REGEX = r"[A-Z][a-z]{2,12} [A-Z][a-z]{2,12}, [0-9]{1,3}, [a-z]{3,12}@[a-z]{3,10}\.(com|org)"
+
+# ``--dataset quote``: what each prompt asks of its passage (most of the passage's tokens
+# stay as they are in the answer).
+QUOTE_INSTRUCTIONS = (
+    "Repeat the following text exactly, with no commentary.",
+    "Copy the following passage word for word.",
+    "Rewrite the following text unchanged, except fix any typos you find.",
+    "Reformat the following text as a Markdown block quote: start every line with '> '.",
+    "Put the following text in a fenced code block, unchanged.",
+    "Reproduce the following text, adding a line number at the start of each line.",
+)
+QUOTE_CHARS_PER_TOKEN = 3.5  # a passage's length estimate, code and English prose alike
 
 
 def bench_json_schema(name_field: str = "name") -> dict[str, Any]:
@@ -80,8 +94,12 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--dataset", default="random",
-                        help="random, fixed, or a .jsonl file of {\"prompt\": ..., "
-                             "\"output_len\": ...} lines")
+                        help="random, fixed, quote (repeat or reformat a passage of rvllm's "
+                             "own source or docs given in the prompt), or a .jsonl file of "
+                             "{\"prompt\": ..., \"output_len\": ...} lines")
+    parser.add_argument("--quote-len", type=int, default=300,
+                        help="--dataset quote: a passage's length in tokens, about (whole "
+                             "lines, each passage 2/3 to 4/3 of it; default 300)")
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -116,18 +134,23 @@ def build_dataset(ns: argparse.Namespace) -> list[BenchRequest]:
     """The workload ``--dataset`` names, reproducible from ``--seed``.
 
     ``random`` gives token-id prompts (exact lengths; the completions endpoint takes
-    them), or random words for chat. ``fixed`` repeats one English passage.
+    them), or random words for chat. ``fixed`` repeats one English passage. ``quote``
+    gives text prompts that ask to repeat or reformat a passage (``quote_prompts``).
     """
     if ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {ns.num_prompts}.")
     rng = random.Random(ns.seed)
     count = ns.num_prompts
-    if ns.dataset not in ("random", "fixed"):
+    if ns.dataset not in ("random", "fixed", "quote"):
         return _jsonl_dataset(Path(ns.dataset), count, ns.random_output_len)
     in_lens = _lengths(ns.random_input_len, ns.random_range_ratio, count, rng)
     out_ratio = getattr(ns, "random_output_range_ratio", None)
     out_lens = _lengths(ns.random_output_len,
                         ns.random_range_ratio if out_ratio is None else out_ratio, count, rng)
+    if ns.dataset == "quote":
+        prompts = quote_prompts(count, getattr(ns, "quote_len", 300), rng)
+        return [BenchRequest(p, int(len(p) / QUOTE_CHARS_PER_TOKEN), n_out)
+                for p, n_out in zip(prompts, out_lens)]
     requests = []
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
         if ns.dataset == "fixed":
@@ -141,6 +164,68 @@ def build_dataset(ns: argparse.Namespace) -> list[BenchRequest]:
             ids = [rng.randrange(low, ns.random_vocab_size) for _ in range(n_in)]
             requests.append(BenchRequest(ids, n_in, n_out))
     return requests
+
+
+def quote_sources() -> list[Path]:
+    """The texts quote prompts draw passages from: the rvllm package's own ``.py`` files
+    and, in a source checkout, the ``docs/*.md`` beside it; sorted, so a seed picks the
+    same passages from the same tree."""
+    package = Path(__file__).resolve().parent.parent
+    files = sorted(package.rglob("*.py")) + sorted((package.parent / "docs").glob("*.md"))
+    return [f for f in files if "__pycache__" not in f.parts]
+
+
+def quote_passage(lines: list[str], start: int, target_chars: int) -> str:
+    """Whole lines from ``start`` (moved back to the start of its block, after a blank
+    line) until the passage reaches ``target_chars``; trailing blank lines dropped."""
+    while start > 0 and lines[start - 1].strip():
+        start -= 1
+    while start < len(lines) - 1 and not lines[start].strip():
+        start += 1
+    end, size = start, 0
+    while end < len(lines) and size < target_chars:
+        size += len(lines[end]) + 1
+        end += 1
+    return "\n".join(lines[start:end]).rstrip()
+
+
+def quote_prompts(count: int, quote_len: int, rng: random.Random,
+                  sources: list[Path] | None = None) -> list[str]:
+    """``count`` input-quoting prompts: an instruction to repeat or lightly reformat
+    (``QUOTE_INSTRUCTIONS``) and a passage of about ``quote_len`` tokens (2/3 to 4/3 of
+    it) from ``sources`` (``quote_sources()``): code (in a fenced block) or, as often
+    when there is any, Markdown prose. Deterministic from ``rng``'s state."""
+    if quote_len < 16:
+        raise ValueError(f"--quote-len must be at least 16, got {quote_len}.")
+    groups: dict[bool, list[tuple[Path, list[str]]]] = {}
+    for path in sources if sources is not None else quote_sources():
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        # Long enough for a passage with room to pick where it starts.
+        if sum(len(line) + 1 for line in lines) >= 2 * quote_len * QUOTE_CHARS_PER_TOKEN:
+            groups.setdefault(path.suffix == ".py", []).append((path, lines))
+    if not groups:
+        raise ValueError("--dataset quote found no source text long enough to quote.")
+    kinds = sorted(groups)
+    prompts = []
+    for _ in range(count):
+        texts = groups[kinds[rng.randrange(len(kinds))]]
+        path, lines = texts[rng.randrange(len(texts))]
+        target = rng.randint(2 * quote_len // 3, 4 * quote_len // 3)
+        chars = int(target * QUOTE_CHARS_PER_TOKEN)
+        # A start that leaves at least a passage's worth of text after it.
+        tail, last = 0, len(lines)
+        while last > 0 and tail < chars:
+            last -= 1
+            tail += len(lines[last]) + 1
+        passage = quote_passage(lines, rng.randrange(last + 1), chars)
+        instruction = QUOTE_INSTRUCTIONS[rng.randrange(len(QUOTE_INSTRUCTIONS))]
+        if path.suffix == ".py":
+            passage = f"```python\n{passage}\n```"
+        prompts.append(f"{instruction}\n\n{passage}")
+    return prompts
 
 
 def _jsonl_dataset(path: Path, count: int, default_out: int) -> list[BenchRequest]:
@@ -318,6 +403,7 @@ def workload_config(ns: argparse.Namespace) -> dict[str, Any]:
             "random_range_ratio": ns.random_range_ratio,
             "random_output_range_ratio": getattr(ns, "random_output_range_ratio", None),
             "ignore_eos": ns.ignore_eos, "seed": ns.seed,
+            "quote_len": getattr(ns, "quote_len", None) if ns.dataset == "quote" else None,
             "structured_outputs": getattr(ns, "structured_outputs", "none")}
 
 

@@ -354,15 +354,14 @@ def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingPa
     if params.is_greedy:
         tokens = verify_greedy(raw.argmax(dim=-1).tolist(), draft)
     else:
-        rows = [SamplingRow(params, (), (), generator)] * raw.shape[0]
+        n, vocab_size = raw.shape
         scaled = raw / params.temperature
-        vocab_size = raw.shape[1]
         if params.top_k > 0 or params.top_p < 1.0:
             top_k = params.top_k if params.top_k > 0 else vocab_size
-            scaled = apply_top_k_top_p(scaled, _index_tensor([top_k] * len(rows), raw),
-                                       _row_tensor([params.top_p] * len(rows), raw))
+            scaled = apply_top_k_top_p(scaled, _index_tensor([top_k] * n, raw),
+                                       _row_tensor([params.top_p] * n, raw))
         if params.min_p > 0.0:
-            scaled = apply_min_p(scaled, _row_tensor([params.min_p] * len(rows), raw))
+            scaled = apply_min_p(scaled, _row_tensor([params.min_p] * n, raw))
         tokens = rejection_sample(scaled.softmax(dim=-1), draft, None, generator)
     lse = raw[: len(tokens)].logsumexp(dim=-1)
     picked = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
