@@ -91,6 +91,7 @@ class Tokenizer:
         named = (self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id)
         self.all_special_ids = self._skip_ids | {i for i in named if i is not None}
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self._max_token_chars: int | None = None
         decoder = self._backend.decoder
         decoder_json = decoder.__getstate__() if decoder is not None else b""
         # WordPiece-style decoders rewrite " ." etc. themselves; the detokenizer must know.
@@ -158,6 +159,25 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the post-processor adds."""
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_bounded(self, text: str, max_tokens: int,
+                       add_special_tokens: bool = True) -> list[int] | None:
+        """``encode``, or None for a text too long to be ``max_tokens`` tokens: decided
+        from its length alone when it is longer than that many of the vocabulary's
+        longest pieces could spell, so an over-long prompt costs no tokenizing (a
+        5-million-word prompt took about 50 s and a gigabyte to tokenize)."""
+        if len(text) > max_tokens * self.max_token_chars:
+            return None
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token's piece has: an upper bound on the text one
+        token decodes to (a byte-level piece spells each byte with one character)."""
+        if self._max_token_chars is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(map(len, vocab), default=1)
+        return self._max_token_chars
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; ``skip_special_tokens`` drops special added tokens."""

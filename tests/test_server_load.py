@@ -146,7 +146,8 @@ SHUTDOWN_GRACE_S = 60.0
 def refuses_connections(server) -> bool:
     try:
         httpx.get(f"{server.url}/health", timeout=WATCHDOG_S)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
+        # Refused, or (a connection that raced the listener's closing) dropped unanswered.
         return True
     return False
 

@@ -44,6 +44,7 @@ from rvllm.layers.cpu_linear import (
     reorder_pending,
 )
 from rvllm.layers.sampler import speculation_allowed
+from rvllm.malloc import release_freed_memory
 from rvllm.models.loader import load_model
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
@@ -54,6 +55,10 @@ from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("rvllm")
 
+
+# A refused prompt this long (characters or token ids) has its memory returned to the
+# system (malloc_trim): glibc keeps large freed arenas otherwise.
+_TRIM_AFTER_PROMPT_LEN = 100_000
 
 # How long a failed collective waits for a tensor-parallel worker's exit to be reported
 # before the failure is taken for something other than a dead worker.
@@ -276,7 +281,12 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine was started "
                                  "with skip_tokenizer_init: send token ids.")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_bounded(prompt, self.max_model_len)
+            if ids is None:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens, "
+                    f"and the prompt ({len(prompt)} characters) is longer than that.")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -293,6 +303,16 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError (nothing is queued) when the
         prompt or the parameters are unusable."""
+        try:
+            return self._add_request(request_id, prompt, params, arrival_time)
+        except ValueError:
+            if isinstance(prompt, (str, list)) and len(prompt) > _TRIM_AFTER_PROMPT_LEN:
+                # A large prompt refused: hand its memory back to the system.
+                release_freed_memory()
+            raise
+
+    def _add_request(self, request_id: str | None, prompt: PromptType,
+                     params: SamplingParams | None, arrival_time: float | None) -> str:
         params = (params or SamplingParams()).clone()
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
