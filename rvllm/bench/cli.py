@@ -1,5 +1,5 @@
 """The benchmark commands of ``rvllm``: ``benchmark`` and
-``bench serve|race|micro|perplexity``.
+``bench serve|race|micro|soak|perplexity``.
 
 Only argument definitions live at import; each command's module (and NumPy, torch,
 the engine) loads when that command runs.
@@ -16,6 +16,7 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     from rvllm.bench.perplexity import add_perplexity_args
     from rvllm.bench.race import add_race_args
     from rvllm.bench.serve import add_serve_bench_args
+    from rvllm.bench.soak import add_soak_args
 
     direct = sub.add_parser("benchmark", help="direct-engine throughput per batch size")
     add_benchmark_args(direct)
@@ -32,6 +33,10 @@ def add_bench_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     micro = bench_sub.add_parser("micro", help="CPU sampling operations against NumPy")
     add_micro_args(micro)
     micro.set_defaults(bench_module="rvllm.bench.micro")
+    soak = bench_sub.add_parser("soak", help="mixed, partly hostile traffic against a local "
+                                "server for a while; every request accounted for")
+    add_soak_args(soak)
+    soak.set_defaults(bench_module="rvllm.bench.soak")
     ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text (accuracy check)")
     add_perplexity_args(ppl)
     ppl.set_defaults(bench_module="rvllm.bench.perplexity")

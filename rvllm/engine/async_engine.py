@@ -66,6 +66,7 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
+    engine_resident_memory_bytes: int = 0  # the engine process's resident memory
 
 
 _END = object()  # end of a stream without a finished output (the request was aborted)

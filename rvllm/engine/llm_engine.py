@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -565,7 +566,8 @@ class LLMEngine:
         return {"structured_output_requests": so.num_requests,
                 "grammar_compile_buckets": tuple(so.compile_bucket_counts),
                 "grammar_compile_seconds": so.compile_seconds_sum,
-                "grammar_compile_count": so.compile_count, **self.spec_stats.snapshot()}
+                "grammar_compile_count": so.compile_count, **self.spec_stats.snapshot(),
+                "engine_resident_memory_bytes": _resident_memory_bytes()}
 
     def _execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         if self.tp_group is None:
@@ -723,6 +725,18 @@ class _SpecStats:
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_accepted_per_pos": tuple(self.accepted_per_pos)}
+
+
+def _resident_memory_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _visible_text(seq: Sequence) -> str:

@@ -6,10 +6,12 @@ Start it with ``rvllm serve --model DIR`` or ``python -m rvllm.server.app --mode
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,16 +22,39 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rvllm
 from rvllm.engine.async_engine import AsyncEngine
 from rvllm.engine.data_parallel import DataParallelEngine
 from rvllm.engine.process_engine import ProcessEngine
-from rvllm.server.args import add_serve_args, serve_engine_args, start_engine_process
+from rvllm.server.args import (
+    add_serve_args,
+    cors_options,
+    serve_engine_args,
+    start_engine_process,
+)
 from rvllm.server.errors import APIError, error_body, install_error_handlers
+from rvllm.server.limits import BodyLimitMiddleware, default_max_body_bytes
 from rvllm.server.metrics import ServerMetrics
-from rvllm.server.protocol import DetokenizeRequest, TokenizeRequest
+from rvllm.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    complete_openapi,
+    openapi_request_body,
+    openapi_responses,
+)
+from rvllm.server.serving import ServingBase
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing
 from rvllm.startup import resume_collector
@@ -57,12 +82,34 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+# CORSMiddleware's options under vLLM's flag names (args.cors_options), with its defaults.
+CORS_DEFAULTS: dict[str, Any] = {"allowed_origins": ["*"], "allowed_methods": ["*"],
+                                 "allowed_headers": ["*"], "allow_credentials": False}
+
+
+def cors_middleware_options(cors: dict[str, Any]) -> dict[str, Any]:
+    """Starlette's CORSMiddleware keywords from ``build_app``'s ``cors``."""
+    unknown = set(cors) - set(CORS_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown CORS options: {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(CORS_DEFAULTS)})")
+    options = {**CORS_DEFAULTS, **cors}
+    return {"allow_origins": list(options["allowed_origins"]),
+            "allow_methods": list(options["allowed_methods"]),
+            "allow_headers": list(options["allowed_headers"]),
+            "allow_credentials": bool(options["allow_credentials"])}
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False,
+              cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
-    whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``."""
+    whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
+    (``args.cors_options``: ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
+    ``allow_credentials``, each defaulting as vLLM's flags do) puts Starlette's
+    CORSMiddleware in front of every route; None leaves CORS out."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -73,20 +120,41 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors is not None:
+        # Outside the API-key check, so that a 401 carries the headers a browser needs to
+        # read it; preflights (OPTIONS) are answered here and never reach the routes.
+        app.add_middleware(CORSMiddleware, **cors_middleware_options(cors))
     completions = CompletionServing(engine, served_model_name)
     chat = ChatServing(engine, served_model_name, tool_call_parser, enable_auto_tool_choice)
     metrics = ServerMetrics(engine, served_model_name)
     started = int(time.time())
+    fastapi_openapi = app.openapi
 
-    @app.post("/v1/completions")
+    def openapi() -> dict[str, Any]:
+        # The routes read their bodies themselves; the schemas their $refs name are added
+        # to FastAPI's document here, once.
+        if app.openapi_schema is None:
+            app.openapi_schema = complete_openapi(fastapi_openapi(), bool(api_key))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    generation_errors = (400, 401, 404, 413, 503)
+
+    @app.post("/v1/completions", response_model=None,
+              openapi_extra=openapi_request_body(CompletionRequest),
+              responses=openapi_responses(CompletionResponse, generation_errors,
+                                          stream=CompletionStreamResponse))
     async def create_completion(request: Request) -> Response:
         return await completions.create(await request.body(), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              openapi_extra=openapi_request_body(ChatCompletionRequest),
+              responses=openapi_responses(ChatCompletionResponse, generation_errors,
+                                          stream=ChatCompletionStreamResponse))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await request.body(), request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=openapi_responses(ModelList, (401,)))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": started,
@@ -94,7 +162,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
             "max_model_len": engine.max_model_len,
         }]}
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi_responses(
+        None, (503,), descriptions={503: "The engine loop is not running"}))
     async def health() -> Response:
         if not engine.is_running:
             raise APIError("The engine loop is not running.", 503)
@@ -108,7 +177,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, openapi_extra=openapi_request_body(TokenizeRequest),
+              responses=openapi_responses(TokenizeResponse, (400, 404, 413)))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = TokenizeRequest.model_validate_json(await request.body())
         completions.check_model(req.model)
@@ -127,7 +197,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None,
+              openapi_extra=openapi_request_body(DetokenizeRequest),
+              responses=openapi_responses(DetokenizeResponse, (400, 404, 413)))
     async def detokenize(request: Request) -> dict[str, str]:
         req = DetokenizeRequest.model_validate_json(await request.body())
         completions.check_model(req.model)
@@ -152,7 +224,8 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
             started.load_tokenizer()
             name = served_name(ns, started.args.resolve_model())
             server = http_server(ns, build_app(started, name, ns.api_key, ns.tool_call_parser,
-                                                    ns.enable_auto_tool_choice))
+                                               ns.enable_auto_tool_choice,
+                                               cors=cors_options(ns)), started)
             started.wait_ready()
         except BaseException:
             started.shutdown(timeout=5.0)
@@ -166,7 +239,8 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
             engine = AsyncEngine.from_engine_args(serve_engine_args(ns))
         name = served_name(ns, engine.model_path)
         server = http_server(ns, build_app(engine, name, ns.api_key, ns.tool_call_parser,
-                                               ns.enable_auto_tool_choice))
+                                           ns.enable_auto_tool_choice,
+                                           cors=cors_options(ns)), engine)
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     resume_collector()
     for replica in replicas:
@@ -187,15 +261,45 @@ def served_name(ns: argparse.Namespace, model_path: str) -> str:
     return ns.served_model_name or ns.model or Path(model_path).name
 
 
-def http_server(ns: argparse.Namespace, app: FastAPI) -> uvicorn.Server:
-    """uvicorn's server for ``app``, its protocol modules already imported (``load``)."""
+def http_server(ns: argparse.Namespace, app: FastAPI, engine: Any) -> uvicorn.Server:
+    """uvicorn's server for ``app``, its protocol modules already imported (``load``), with
+    the body-size limit in front of it."""
+    limit = ns.max_request_body_bytes
+    ServingBase.max_waiting_requests = ns.max_waiting_requests
+    app.add_middleware(BodyLimitMiddleware, max_bytes=lambda: limit or default_max_body_bytes(
+        engine.max_model_len))
     config = uvicorn.Config(
         app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
         access_log=not ns.disable_uvicorn_access_log,
         timeout_graceful_shutdown=ns.shutdown_timeout,  # type: ignore[arg-type]
     )
     config.load()
-    return uvicorn.Server(config)
+    return _DrainingServer(config, engine, ns.shutdown_timeout)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGINT/SIGTERM) stops taking connections and
+    gives the requests in flight ``--shutdown-timeout`` seconds to finish; just before
+    that runs out, the engine is stopped, so the streams still open end with an error
+    event and ``[DONE]`` instead of being cut off mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any, grace: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        margin = min(1.0, self.grace / 4)
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, self.grace - margin), self._end_the_rest)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _end_the_rest(self) -> None:
+        logger.info("shutdown: ending the requests still in flight")
+        threading.Thread(target=self.engine.shutdown, name="rvllm-drain", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:

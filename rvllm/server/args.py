@@ -4,6 +4,8 @@ loading the server's (or torch's) modules."""
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 from rvllm.cli_args import add_engine_args
 
@@ -21,6 +23,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="model name the API answers to (default: the --model argument)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every /v1 route")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS: origins allowed, a JSON list (default: ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help='CORS: methods allowed, a JSON list (default: ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help='CORS: request headers allowed, a JSON list (default: ["*"])')
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) in cross-origin "
+                        "requests")
     g.add_argument("--shutdown-timeout", type=float, default=3.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -28,6 +39,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="run the engine in the server's process (by default it has a "
                         "process of its own, which loads the model while the server starts)")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 before they are read (default: 64 "
+                        "bytes per token of --max-model-len, at least 4 MiB)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests that may wait for the engine; past them a request gets "
+                        "503 with Retry-After (0: no limit)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"): its calls '
                         "are read out of its text by --tool-call-parser")
@@ -39,6 +56,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     add_engine_args(parser)
+
+
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings: '["http://a.example", "http://b.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text}")
+    return value
+
+
+def cors_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The CORS flags as ``build_app``'s ``cors`` argument."""
+    return {"allowed_origins": ns.allowed_origins, "allowed_methods": ns.allowed_methods,
+            "allowed_headers": ns.allowed_headers, "allow_credentials": ns.allow_credentials}
 
 
 def serve_engine_args(ns: argparse.Namespace):  # noqa: ANN201 - EngineArgs

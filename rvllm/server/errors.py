@@ -1,10 +1,15 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the
-right status, for every way a request can be wrong."""
+right status, for every way a request can be wrong.
+
+A message never echoes more than a slice of what the client sent: a value quoted in it
+is cut to ``MAX_QUOTED_CHARS`` characters with an ellipsis, and the whole message to
+about ``MAX_MESSAGE_CHARS`` (``APIError`` bounds every message it is given)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,17 +20,57 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("rvllm")
 
+MAX_QUOTED_CHARS = 100  # of one value from the request, quoted in a message
+MAX_MESSAGE_CHARS = 1024  # of a whole message
+ELLIPSIS = "\u2026"
+
+# What may be a value from the request inside a message: a span quoted with backticks, or
+# with quotes that are not apostrophes (repr's 'x', a JSON "x"), or a long unbroken run.
+_LONG = MAX_QUOTED_CHARS + 1
+_QUOTED_OR_RUN = re.compile(
+    rf"(?P<q>`[^`]{{{_LONG},}}`|(?<!\w)'[^'\n]{{{_LONG},}}'(?!\w)"
+    rf"|(?<!\w)\"[^\"\n]{{{_LONG},}}\"(?!\w))|\S{{{_LONG},}}")
+
+
+def _clip_match(m: re.Match[str]) -> str:
+    text = m[0]
+    return text[0] + clip(text[1:-1]) + text[-1] if m["q"] else clip(text)
+
+
+def clip(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``value`` as text, cut to ``limit`` characters with an ellipsis: how a message
+    quotes something the client sent."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit] + ELLIPSIS
+
+
+def bound_message(message: str) -> str:
+    """``message`` with every quoted span and unbroken run longer than
+    ``MAX_QUOTED_CHARS`` clipped, and then at most about ``MAX_MESSAGE_CHARS`` long (its
+    start and its end kept). The server's own words are never that long, so only what a
+    client sent is cut."""
+    if len(message) <= MAX_QUOTED_CHARS:
+        return message
+    message = _QUOTED_OR_RUN.sub(_clip_match, message)
+    if len(message) > MAX_MESSAGE_CHARS:
+        tail = MAX_MESSAGE_CHARS // 4
+        message = f"{message[:MAX_MESSAGE_CHARS - tail]} {ELLIPSIS} {message[-tail:]}"
+    return message
+
 
 class APIError(Exception):
-    """An error to send back as is: a status code and OpenAI's error fields."""
+    """An error to send back: a status code and OpenAI's error fields. The message and
+    param are bounded (``bound_message``, ``clip``): they may quote the request."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = bound_message(message)
         super().__init__(message)
         self.message = message
         self.status_code = status_code
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503
 
 
 def error_body(message: str, status_code: int, param: str | None = None,
@@ -39,7 +84,7 @@ def error_body(message: str, status_code: int, param: str | None = None,
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.status_code, err.param, err.code),
-                        status_code=err.status_code)
+                        status_code=err.status_code, headers=err.headers)
 
 
 def error_event(err: APIError) -> str:
@@ -69,11 +114,15 @@ def validation_error(errors: list[Any]) -> APIError:
         return APIError("Invalid request.")
     first = errors[0]
     loc = [p for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
-    param = ".".join(str(p) for p in loc) or None
+    # A dict key or an unknown field's name in the path is the client's: clipped.
+    param = ".".join(clip(p) for p in loc) or None
     kind = first.get("type", "")
     if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error") or first.get("msg", "")
-        return APIError(f"The request body is not valid JSON: {detail}")
+        return APIError(f"The request body is not valid JSON: {clip(detail, 200)}")
+    if kind == "value_error" and isinstance(first.get("ctx", {}).get("error"), ValueError):
+        # A check of protocol.py's own (a size cap): its message is whole as it is.
+        return APIError(str(first["ctx"]["error"]), param=param)
     if kind in ("model_type", "model_attributes_type", "dict_type") and not loc:
         return APIError("The request body must be a JSON object.")
     if kind == "extra_forbidden":

@@ -70,6 +70,9 @@ class _EngineCollector(Collector):
                       s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.",
                       s.num_preemptions)
+        yield gauge("rvllm:engine_resident_memory_bytes",
+                    "Resident memory of the engine process (summed over replicas).",
+                    s.engine_resident_memory_bytes)
         yield counter("vllm:structured_output_requests",
                       "Requests with a structured-output constraint (response_format, "
                       "structured_outputs, guided_*, or a forced tool call).",

@@ -2,18 +2,81 @@
 
 Types are strict (``"5"`` is not a number), unknown fields are refused the way
 OpenAI refuses them, and range checks are SamplingParams' own, so the limits
-live in one place.
+live in one place. What this module adds are caps on the sizes of lists and
+strings (``MAX_*`` below), checked while the body is parsed: past one, the
+request is a 400 naming the field.
+
+The response models at the end describe what the endpoints answer, for
+``/openapi.json`` (the handlers build their answers as dicts).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic.json_schema import JsonDict, models_json_schema
 
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 TokenIds = list[StrictInt]
+
+# Caps on what one request may ask for (docs/serving.md, Errors).
+MAX_N = 128  # n: choices per prompt
+MAX_BEST_OF = 128  # best_of
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_STOP_STRINGS = 64  # stop strings
+MAX_STOP_STRING_CHARS = 1024  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids
+MAX_MESSAGES = 4096  # chat messages (also /tokenize's)
+MAX_TOOLS = 128  # tools
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+
+
+def _check_count(field: str, value: Any, limit: int, what: str = "entries") -> Any:
+    """``value`` (a list or dict, or None) unless it holds more than ``limit`` items:
+    then a ValueError the 400 quotes as is (errors.validation_error)."""
+    if value is not None and len(value) > limit:
+        raise ValueError(f"{field} may have at most {limit} {what}, got {len(value)}.")
+    return value
+
+
+def _check_stop(value: str | list[str] | None) -> str | list[str] | None:
+    stops = [value] if isinstance(value, str) else value or []
+    _check_count("stop", stops, MAX_STOP_STRINGS, "strings")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                         f"got one of {longest}.")
+    return value
+
+
+def _stop_schema(schema: JsonDict) -> None:
+    """The stop caps in the JSON schema: each string, and the list's length."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "string":
+            branch["maxLength"] = MAX_STOP_STRING_CHARS
+        elif branch.get("type") == "array":
+            branch["maxItems"] = MAX_STOP_STRINGS
+            branch["items"]["maxLength"] = MAX_STOP_STRING_CHARS  # type: ignore[index]
+
+
+def _prompt_schema(schema: JsonDict) -> None:
+    """The prompt cap in the JSON schema: lists of prompts (of texts, or of token-id
+    lists), not a single prompt's token ids."""
+    for branch in schema.get("anyOf", []):
+        items = branch.get("items") if branch.get("type") == "array" else None
+        if isinstance(items, dict) and items.get("type") in ("string", "array"):
+            branch["maxItems"] = MAX_PROMPTS
 
 
 class _Strict(BaseModel):
@@ -66,12 +129,13 @@ class SamplingRequest(_Strict):
     max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: StrictInt = 1
-    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt = Field(1, json_schema_extra={"maximum": MAX_N})
+    stop: StrictStr | list[StrictStr] | None = Field(None, json_schema_extra=_stop_schema)
     seed: StrictInt | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, json_schema_extra={"maxProperties": MAX_LOGIT_BIAS})
     user: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +143,8 @@ class SamplingRequest(_Strict):
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: TokenIds | None = Field(
+        None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS})
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
@@ -99,6 +164,28 @@ class SamplingRequest(_Strict):
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _cap_n(cls, n: int) -> int:
+        if n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {n}.")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _cap_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        return _check_stop(stop)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _cap_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_count("logit_bias", bias, MAX_LOGIT_BIAS)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _cap_stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        return _check_count("stop_token_ids", ids, MAX_STOP_TOKEN_IDS)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -194,12 +281,32 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
+        json_schema_extra=_prompt_schema)
     max_tokens: StrictInt | None = 16
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = None
+    best_of: StrictInt | None = Field(None, json_schema_extra={"maximum": MAX_BEST_OF})
+
+    @field_validator("prompt")
+    @classmethod
+    def _cap_prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            _check_count("prompt", prompt, MAX_PROMPTS, "prompts")
+        return prompt
+
+    @field_validator("best_of")
+    @classmethod
+    def _cap_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is None:
+            return None
+        if best_of > MAX_BEST_OF:
+            raise ValueError(f"best_of must be at most {MAX_BEST_OF}, got {best_of}.")
+        n = info.data.get("n")
+        if isinstance(n, int) and best_of < n:
+            raise ValueError(f"best_of must be at least n ({n}), got {best_of}.")
+        return best_of
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -255,11 +362,11 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"maxItems": MAX_MESSAGES})
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(None, json_schema_extra={"maxItems": MAX_TOOLS})
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     # vLLM's chat extras
@@ -268,17 +375,37 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _cap_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        return _check_count("messages", messages, MAX_MESSAGES)
+
+    @field_validator("tools")
+    @classmethod
+    def _cap_tools(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        return _check_count("tools", tools, MAX_TOOLS)
+
 
 class TokenizeRequest(_Strict):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
+    # Exactly one of prompt and messages (checked by the route).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"oneOf": [{"required": ["prompt"]},
+                                                           {"required": ["messages"]}]})
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None,
+                                               json_schema_extra={"maxItems": MAX_MESSAGES})
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _cap_messages(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        return _check_count("messages", messages, MAX_MESSAGES)
 
 
 class DetokenizeRequest(_Strict):
@@ -288,3 +415,296 @@ class DetokenizeRequest(_Strict):
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+# ------------------------------------------------------------------ responses
+# What the endpoints answer, for /openapi.json. The handlers build dicts of this shape.
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error or "
+                                  "server_error")
+    param: str | None = Field(description="the request field at fault, where one is")
+    code: str | int | None = Field(description="a code such as model_not_found or "
+                                               "context_length_exceeded, else the status")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every 4xx and 5xx."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt position (null for the first), token id -> logprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text, logprob, top alternatives and
+    offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(
+        description="the stop string or stop token id that ended the choice")
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One event of a streamed completion (``data: {...}``); the stream ends with
+    ``data: [DONE]``. With ``stream_options.include_usage`` a last event with no choices
+    carries the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string, as the model "
+                                       "wrote them")
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprobWithTop(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprobWithTop] | None
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: ChatFinishReason | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries its id, type and name, later
+    ones pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: ChatFinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One event of a streamed chat completion (``data: {...}``); the first of each
+    choice carries the assistant role, and the stream ends with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="with return_token_strs: each "
+                                                     "token's text")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionResponse, CompletionStreamResponse, ChatCompletionResponse,
+    ChatCompletionStreamResponse, ModelList, TokenizeResponse, DetokenizeResponse,
+    ErrorResponse)
+OPENAPI_REF = "#/components/schemas/{model}"
+
+
+def openapi_schemas() -> dict[str, Any]:
+    """The JSON schemas of the request and response models (and of every model they
+    hold), by name, with ``$ref``s into an OpenAPI document's ``components/schemas``.
+    Requests are described as they are validated, responses as they are written."""
+    inputs = [(m, "validation") for m in REQUEST_MODELS]
+    outputs = [(m, "serialization") for m in RESPONSE_MODELS]
+    _, schema = models_json_schema(inputs + outputs, ref_template=OPENAPI_REF)  # type: ignore[arg-type]
+    return dict(schema.get("$defs", {}))
+
+
+def schema_ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": OPENAPI_REF.format(model=model.__name__)}
+
+
+def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: its JSON body is ``model``. (The routes read the raw
+    body and validate it themselves, so that every error keeps OpenAI's shape.)"""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema_ref(model)}}}}
+
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a wrong type, a value out of range or past a "
+         "size cap, an unknown field, or a prompt longer than the context",
+    401: "Missing or wrong API key (only with --api-key)",
+    404: "The model is not the one served",
+    413: "The request body is larger than --max-request-body-bytes",
+    503: "The engine is not running, or too many requests are waiting "
+         "(--max-waiting-requests; then with Retry-After)",
+}
+
+
+def openapi_responses(ok: type[BaseModel] | None, errors: tuple[int, ...],
+                      stream: type[BaseModel] | None = None,
+                      ok_description: str = "Successful Response",
+                      descriptions: dict[int, str] | None = None) -> dict[int | str, Any]:
+    """A route's ``responses``: ``ok`` as JSON (and ``stream``'s events, with ``stream:
+    true``), and ``ErrorResponse`` under each status of ``errors`` (described as in
+    ``ERROR_DESCRIPTIONS``, or ``descriptions``)."""
+    responses: dict[int | str, Any] = {}
+    if ok is not None:
+        content: dict[str, Any] = {"application/json": {"schema": schema_ref(ok)}}
+        if stream is not None:
+            content["text/event-stream"] = {"schema": schema_ref(stream)}
+            ok_description += (f". With stream: true, Server-Sent Events instead: each "
+                               f"`data: <{stream.__name__} JSON>`, the last `data: [DONE]`")
+        responses[200] = {"description": ok_description, "content": content}
+    for status in errors:
+        responses[status] = {"description": (descriptions or {}).get(
+                                 status, ERROR_DESCRIPTIONS[status]),
+                             "content": {"application/json": {
+                                 "schema": schema_ref(ErrorResponse)}}}
+    if 503 in errors and stream is not None:
+        responses[503]["headers"] = {"Retry-After": {
+            "description": "seconds to wait, when the server is overloaded",
+            "schema": {"type": "integer"}}}
+    return responses
+
+
+def complete_openapi(doc: dict[str, Any], api_key: bool) -> dict[str, Any]:
+    """FastAPI's document for the app, with the request and response schemas the routes
+    refer to, and (with an API key) bearer authentication on every /v1 route."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in openapi_schemas().items():
+        if schemas.setdefault(name, schema) != schema:
+            raise ValueError(f"two OpenAPI schemas are named {name}")
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearerAuth": {"type": "http",
+                                                               "scheme": "bearer"}}
+        for path, operations in doc.get("paths", {}).items():
+            if path.startswith("/v1"):
+                for operation in operations.values():
+                    operation["security"] = [{"bearerAuth": []}]
+    return doc

@@ -49,6 +49,9 @@ class ServingBase:
     """One endpoint's view of the engine."""
 
     id_prefix = "cmpl"
+    # ``--max-waiting-requests``: past this many waiting, a request gets 503 (0: no limit).
+    max_waiting_requests = 0
+    RETRY_AFTER_S = 1
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
@@ -72,7 +75,14 @@ class ServingBase:
                            ) -> list[RequestStream]:
         """Queue every prompt at once (one engine drain, not one per prompt); if any is
         refused, withdraw the others and answer 400 (a constraint's error names
-        ``constraint_field``, the field the client sent it in)."""
+        ``constraint_field``, the field the client sent it in). With more than
+        ``max_waiting_requests`` waiting already, nothing is queued: 503 and Retry-After."""
+        limit = self.max_waiting_requests
+        if limit and self.engine.snapshot().num_requests_waiting + len(prompts) > limit:
+            raise APIError(f"The server is overloaded: more than {limit} requests are "
+                           "waiting (--max-waiting-requests). Retry later.", 503,
+                           code="server_overloaded",
+                           headers={"Retry-After": str(self.RETRY_AFTER_S)})
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         results = await asyncio.gather(
             *(self.engine.add_request(rid, p, params, final_only) for rid, p in zip(ids, prompts)),

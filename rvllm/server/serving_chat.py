@@ -51,7 +51,8 @@ class ChatServing(ServingBase):
         prompt_ids = render_chat_prompt(self.engine.tokenizer, req.messages,
                                         _add_generation_prompt(req),
                                         req.continue_final_message, tools.template_tools,
-                                        req.chat_template, req.chat_template_kwargs)
+                                        req.chat_template, req.chat_template_kwargs,
+                                        self.engine.max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -355,10 +356,12 @@ def _add_generation_prompt(req: ChatCompletionRequest) -> bool:
 def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
                        add_generation_prompt: bool, continue_final_message: bool,
                        tools: list[dict[str, Any]] | None, chat_template: str | None,
-                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                       template_kwargs: dict[str, Any] | None = None,
+                       max_tokens: int | None = None) -> list[int]:
     """Token ids of a conversation rendered with the chat template (``template_kwargs``
     become template variables). The template holds the special tokens itself, so none
-    are added on encoding."""
+    are added on encoding. A conversation that cannot be ``max_tokens`` tokens is a 400
+    before it is tokenized."""
     conversation = [_template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
@@ -369,7 +372,14 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
     except Exception as e:  # a template may raise on purpose (roles out of order, ...)
         raise APIError(f"The chat template could not render these messages: {e}",
                        param="messages") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    if max_tokens is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode_bounded(text, max_tokens, add_special_tokens=False)
+    if ids is None:
+        raise APIError(f"This model's maximum context length is {max_tokens} tokens, and the "
+                       f"messages ({len(text)} characters) are longer than that.",
+                       param="messages", code="context_length_exceeded")
+    return ids
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
