@@ -61,6 +61,9 @@ logger = logging.getLogger("rvllm")
 # system (malloc_trim): glibc keeps large freed arenas otherwise.
 _TRIM_AFTER_PROMPT_LEN = 100_000
 
+# The longest a sequence waits before proposing again after drafts that did not pay.
+_MAX_BACKOFF_STEPS = 64
+
 # How long a failed collective waits for a tensor-parallel worker's exit to be reported
 # before the failure is taken for something other than a dead worker.
 _WORKER_EXIT_GRACE_S = 5.0
@@ -449,8 +452,10 @@ class LLMEngine:
             metrics = self.requests[s.seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+        started = time.perf_counter()
         step_outputs = self._execute(sched)
         if self.speculative_config is not None:
+            self.spec_stats.time_step(sched, time.perf_counter() - started)
             self._settle_drafts(step_outputs)
         self.idle.stepped()
         if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
@@ -514,6 +519,10 @@ class LLMEngine:
             if seq.spec_skip > 0:
                 seq.spec_skip -= 1
                 continue
+            if seq.spec_backoff == 0 and not self.spec_stats.worth_it(seq.spec_gain):
+                # Not paying lately: wait, then one try (a back-off's end) to measure anew.
+                self._back_off(seq)
+                continue
             # Never past max_tokens or the context: the drafts and the target's token.
             k = min(config.num_speculative_tokens,
                     seq.max_tokens - seq.num_output_tokens - 1,
@@ -545,20 +554,30 @@ class LLMEngine:
 
     def _settle_drafts(self, outputs: list[SeqStepOutput]) -> None:
         """After verification: drafts out of the tokens (the engine appends the kept ones
-        as tokens), the counters, and each sequence's back-off: one that kept nothing
-        waits 1, 2, 4, ... up to 16 steps before it proposes again."""
+        as tokens), the counters, each sequence's tokens per verifying step (an average
+        over its last few), and its back-off: one that kept nothing waits before it
+        proposes again."""
         for out in outputs:
             seq = out.seq
             if not seq.spec_tokens:
                 continue
             self._drop_drafts(seq)
             self.spec_stats.add(out.num_drafts, out.num_accepted)
-            if out.num_accepted == 0:
-                seq.spec_backoff = min(16, max(1, 2 * seq.spec_backoff))
-                seq.spec_skip = seq.spec_backoff
+            gain = 1.0 + out.num_accepted
+            seq.spec_gain = gain if seq.spec_gain is None else 0.7 * seq.spec_gain + 0.3 * gain
+            if out.num_accepted == 0 or not self.spec_stats.worth_it(seq.spec_gain):
+                self._back_off(seq)
             else:
                 seq.spec_backoff = 0
         self.spec_stats.maybe_log()
+
+    @staticmethod
+    def _back_off(seq: Sequence) -> None:
+        """Wait 1, 2, 4, ... up to 64 steps before proposing again, then try once: a
+        sequence whose text turns to quoting is found again, at the cost of one verifying
+        step in 64 where it does not pay."""
+        seq.spec_backoff = min(_MAX_BACKOFF_STEPS, max(1, 2 * seq.spec_backoff))
+        seq.spec_skip = seq.spec_backoff
 
     def snapshot_counters(self) -> dict[str, Any]:
         """The structured-output and speculative-decoding counters of ``EngineSnapshot``."""
@@ -700,6 +719,26 @@ class _SpecStats:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k
         self._logged = (0, 0, time.monotonic())
+        # Averages of a verifying step's and a plain decode step's seconds.
+        self.verify_s: float | None = None
+        self.decode_s: float | None = None
+
+    def time_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's time, into the average of verifying steps or of plain decode steps
+        (steps with a prefill in them count in neither)."""
+        if any(s.seq.spec_tokens for s in sched.scheduled):
+            self.verify_s = _ema(self.verify_s, seconds)
+        elif all(s.num_new_tokens == 1 for s in sched.scheduled):
+            self.decode_s = _ema(self.decode_s, seconds)
+
+    def worth_it(self, gain: float | None) -> bool:
+        """Whether a sequence that has made ``gain`` tokens per verifying step lately
+        should propose: a verifying step must make more tokens than it costs decode
+        steps (on the CPU a step of five rows of packed 4-bit weights cost about four
+        one-row steps). Unknown costs or gain: try."""
+        if gain is None or self.verify_s is None or self.decode_s is None:
+            return True
+        return gain > self.verify_s / self.decode_s
 
     def add(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -725,6 +764,10 @@ class _SpecStats:
                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_decode_accepted_per_pos": tuple(self.accepted_per_pos)}
+
+
+def _ema(average: float | None, value: float, weight: float = 0.2) -> float:
+    return value if average is None else (1.0 - weight) * average + weight * value
 
 
 def _resident_memory_bytes() -> int:

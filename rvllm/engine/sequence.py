@@ -61,6 +61,7 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)
     spec_backoff: int = 0
     spec_skip: int = 0
+    spec_gain: float | None = None  # tokens per verifying step, averaged over the last few
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
