@@ -10,7 +10,9 @@ a stream) or one clear error (a 4xx/503 JSON error, or an error event closing a
 stream); anything else (a 500, a dropped connection, a stream cut off) counts as lost.
 
 At the end, once the server is idle, the engine's resident memory (``/metrics``) is
-compared with its level after a warm-up, and the KV blocks must all be free again.
+compared with its level after a warm-up (which also touches the whole KV cache, whose
+memory becomes resident as blocks are first used), and the KV blocks must all be free
+again.
 Loopback only: ``--base-url`` must name this machine.
 """
 
@@ -120,6 +122,25 @@ async def _settled(client: httpx.AsyncClient, timeout: float = 90.0) -> dict[str
     return last
 
 
+async def _fill_cache(client: httpx.AsyncClient, model: str, rng: random.Random,
+                      max_rounds: int = 40) -> None:
+    """Long distinct prompts until the engine's memory stops growing: the KV cache's
+    memory is reserved at start-up but becomes resident as its blocks are first used,
+    which is not growth the soak should count."""
+    max_len = (await client.get("/v1/models")).json()["data"][0].get("max_model_len", 2048)
+    last = (await _metrics(client)).get(_MEMORY, 0.0)
+    for _ in range(max_rounds):
+        # Numbers of up to four digits: at most a few tokens each, so each prompt fits.
+        prompts = [" ".join(str(rng.randint(0, 9999)) for _ in range(max_len // 8))
+                   for _ in range(16)]
+        await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": 1}) for p in prompts))
+        now = (await _wait_idle(client)).get(_MEMORY, 0.0)
+        if not last or now < last * 1.005:
+            return
+        last = now
+
+
 async def _one(client: httpx.AsyncClient, kind: str, path: str, body: Any,
                result: SoakResult, rng: random.Random) -> None:
     import httpx
@@ -204,6 +225,7 @@ async def run_soak(ns: argparse.Namespace) -> dict[str, Any]:
         warm = SoakResult()
         await asyncio.gather(*(_one(client, k, *_body(k, model, rng, ns.max_tokens), warm, rng)
                                for k in ("completion", "chat_stream", "n_many", "too_long")))
+        await _fill_cache(client, model, rng)
         before = await _settled(client)
         result = SoakResult()
         deadline = time.monotonic() + ns.duration
