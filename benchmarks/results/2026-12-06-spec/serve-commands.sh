@@ -1,6 +1,7 @@
 #!/bin/bash
 # One server at a time: start, wait for /health, one short warm-up request, the quote bench, stop.
-cd /work/main && source .venv/bin/activate
+# Run twice, back to back: as is, then with SUFFIX=-run2.
+cd /work/main && source .venv/bin/activate && mkdir -p /tmp/specserve
 OUTDIR=benchmarks/results/2026-12-06-spec
 SPEC='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_min":2,"prompt_lookup_max":4}'
 run_one() {  # port label [server flags...]
@@ -14,7 +15,7 @@ run_one() {  # port label [server flags...]
   echo "load before $label: $(cut -d' ' -f1 /proc/loadavg)"
   rvllm bench serve --base-url http://127.0.0.1:$port --endpoint chat --dataset quote --num-prompts 8 \
     --max-concurrency 1 --random-output-len 256 --label rvllm-$label \
-    --json ${JSONDIR:-$OUTDIR}/serve-quote-$label.json
+    --json $OUTDIR/serve-quote-$label${SUFFIX}.json
   curl -s http://127.0.0.1:$port/metrics | grep -E "^vllm:spec_decode" > /tmp/specserve/metrics-$label.txt
   kill -INT $pid; wait $pid; echo "server $label stopped rc=$?"
 }
