@@ -267,19 +267,9 @@ class StructuredOutputsConfig:
         or None; ValueError names what is wrong."""
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs_config is not valid JSON: {e}.") from None
-        if not isinstance(value, dict):
-            raise ValueError("structured_outputs_config must be a JSON object.")
-        known = {"backend", "disable_any_whitespace", "disable_additional_properties"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs_config has no key {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))}).")
-        config = cls(**value)
+        from rvllm.json_options import json_options
+
+        config = cls(**json_options(value, "structured_outputs_config", cls.__slots__))
         if config.backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_config backend {config.backend!r} is not "
                              f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}.")

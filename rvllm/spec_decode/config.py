@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
+
+from rvllm.json_options import json_options
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
 
@@ -34,21 +34,10 @@ class SpeculativeConfig:
         """From the flag's JSON text or a dict; ValueError names what is wrong."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}.") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object.")
-        fields: dict[str, Any] = dict(value)
+        fields = json_options(value, "speculative_config",
+                              cls.__slots__)  # type: ignore[attr-defined]
         if fields.get("method") == "[ngram]":  # vLLM's older spelling
             fields["method"] = "ngram"
-        known = set(cls.__slots__)  # type: ignore[attr-defined]
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has no key {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))}).")
         if "method" not in fields or "num_speculative_tokens" not in fields:
             raise ValueError("speculative_config needs method and num_speculative_tokens.")
         config = cls(**fields)
