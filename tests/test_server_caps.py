@@ -93,6 +93,28 @@ def test_at_the_caps_is_accepted(server):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("template", [
+    "{% include '/etc/hostname' %}",
+    "{% import '/etc/hostname' as h %}{{ h }}",
+    "{{ ''.__class__.__mro__ }}",
+])
+def test_a_chat_template_in_a_request_reads_no_file(server, template):
+    """A request's chat template is template text, rendered in a sandbox with no loader:
+    it can neither include a file nor reach Python's internals (a 400), and a path given
+    as the template is only text."""
+    body = {"messages": [MSG], "chat_template": template, "max_tokens": 1}
+    r = httpx.post(server.url + CHAT, json=body, headers=HEADERS, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+    body = {"messages": [MSG], "chat_template": "/etc/hostname", "max_tokens": 1}
+    r = httpx.post(server.url + CHAT, json=body, headers=HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    as_text = httpx.post(server.url + TOKENIZE, json={"prompt": "/etc/hostname",
+                                                      "add_special_tokens": False},
+                         headers=HEADERS, timeout=60).json()["count"]
+    assert r.json()["usage"]["prompt_tokens"] == as_text
+
+
 def test_caps_at_the_model_boundary():
     # Exactly at each cap validates; one past it does not (the same check as above, with
     # no server: cheap enough for the largest lists).

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -93,52 +94,92 @@ def test_a_client_that_never_reads_its_stream_holds_up_no_one(server):
     assert wait_for(lambda: scrape(server.url)["vllm:num_requests_running"] == 0, WATCHDOG_S)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``: the engine process, and its tensor-parallel
+    workers or data-parallel replicas."""
+    parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
-                pass
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
     return found
 
 
-def test_sigterm_past_the_grace_ends_every_stream_with_an_error_event(long_llama_dir):
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent's wait."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+GRACE_S = 2.0
+
+
+def _refused(url: str) -> bool:
+    """Whether a new request is turned away: no connection, or a 503."""
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=1.0).status_code == 503
+    except httpx.TransportError:
+        return True
+
+
+@pytest.mark.parametrize("streams,layout", [
+    (32, ()),
+    (8, ("--data-parallel-size", "2")),
+    (8, ("--tensor-parallel-size", "2")),
+], ids=["32-streams", "data-parallel", "tensor-parallel"])
+def test_sigterm_past_the_grace_ends_every_stream_with_an_error_event(
+        long_llama_dir, streams, layout):
     """Streams that cannot finish within --shutdown-timeout end with an error event and
-    [DONE], none cut off mid-stream; the server and its engine process exit."""
-    srv = ServerProcess(long_llama_dir, "--num-gpu-blocks", "512", "--shutdown-timeout", "2")
+    [DONE], none cut off mid-stream; new requests are turned away at once; the server
+    exits (the signal re-raised) within the grace plus 2 s, and no engine process,
+    replica or worker outlives it."""
+    srv = ServerProcess(long_llama_dir, "--num-gpu-blocks", "1024",
+                        "--shutdown-timeout", str(GRACE_S), *layout)
     body = {"prompt": "Go on and on", "max_tokens": UNENDING, "stream": True,
             "ignore_eos": True}
-    streams: dict[int, list[str]] = {i: [] for i in range(8)}
-    started = threading.Barrier(9, timeout=WATCHDOG_S)
+    lines_of: dict[int, list[str]] = {i: [] for i in range(streams)}
+    started = threading.Barrier(streams + 1, timeout=WATCHDOG_S)
 
     def client(i: int) -> None:
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body,
                           timeout=WATCHDOG_S) as r:
             lines = r.iter_lines()
-            streams[i].append(next(line for line in lines if line.startswith("data: ")))
+            lines_of[i].append(next(line for line in lines if line.startswith("data: ")))
             started.wait()
-            streams[i].extend(line for line in lines if line)
+            lines_of[i].extend(line for line in lines if line)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
     try:
         for t in threads:
             t.start()
         started.wait()
-        children = _children(srv.proc.pid)
-        assert children, "the engine runs in a process of its own"
+        below = _descendants(srv.proc.pid)
+        assert below, "the engine runs in a process of its own"
         srv.proc.send_signal(signal.SIGTERM)
-        srv.proc.wait(WATCHDOG_S)
+        sent = time.monotonic()
+        assert wait_for(lambda: _refused(srv.url), GRACE_S), "new requests still taken"
+        # uvicorn re-raises the signal once it has drained: killed by SIGTERM, or 0.
+        assert srv.proc.wait(WATCHDOG_S) in (0, -signal.SIGTERM)
+        assert time.monotonic() - sent < GRACE_S + 2.0
         for t in threads:
             t.join(WATCHDOG_S)
-        for lines in streams.values():
+        for lines in lines_of.values():
             assert lines[-1] == "data: [DONE]"
             assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == 503
-        assert wait_for(lambda: not any(os.path.exists(f"/proc/{c}") for c in children),
-                        WATCHDOG_S)
+        assert wait_for(lambda: not any(_alive(p) for p in below), 5.0), \
+            [p for p in below if _alive(p)]
     finally:
         srv.stop(signal.SIGKILL)  # a no-op unless an assertion above failed
 
