@@ -69,6 +69,37 @@ def test_rejection_sampling_reproduces_the_target_distribution(proposer):
     assert abs(accepted / draws - rate) < 0.02
 
 
+def test_engine_verification_reproduces_the_target_distribution():
+    """The engine's check of a sampled row (``verify_drafts``: keep a draft while it
+    equals the target's own draw): the first token's distribution is the target's, and so
+    is the next one's after the draft is kept; a seeded row's first token is the one the
+    sampler draws from the same seed without a draft."""
+    from rvllm.layers.sampler import Sampler, SamplingRow, verify_drafts
+    from rvllm.sampling_params import SamplingParams
+
+    target = torch.tensor([[0.40, 0.25, 0.15, 0.12, 0.08],
+                           [0.10, 0.20, 0.30, 0.25, 0.15]])
+    logits = target.log()
+    params = SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(1)
+    first, second = torch.zeros(5), torch.zeros(5)
+    draws = 20000
+    for _ in range(draws):
+        tokens, _ = verify_drafts(logits, [2], params, g)
+        first[tokens[0]] += 1
+        if len(tokens) == 2:
+            second[tokens[1]] += 1
+    assert _chi_square(first, target[0]) < _CHI2_4_DOF_0_001
+    assert _chi_square(second, target[1]) < _CHI2_4_DOF_0_001
+    assert abs(second.sum() / draws - 0.15) < 0.01  # kept with probability p(draft)
+    seeded = SamplingParams(temperature=1.0, seed=9)
+    for seed in range(20):
+        spec, _ = verify_drafts(logits, [2], seeded, torch.Generator().manual_seed(seed))
+        plain = Sampler()(logits[:1], [SamplingRow(seeded, [1], [], torch.Generator()
+                                                   .manual_seed(seed))])
+        assert spec[0] == plain.sampled_token_ids[0]
+
+
 def test_rejection_sampling_is_reproducible_with_a_seed():
     target = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
     runs = [rejection_sample(target, [3, 7, 9], None, torch.Generator().manual_seed(5))
@@ -156,7 +187,18 @@ def test_ngram_speculation_keeps_greedy_output(model_dirs, arch, backend, monkey
     assert any(compiled) == (backend == "numba")
 
 
-def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llama_dir):
+def _proposers(llama_dir) -> dict[str, dict]:
+    """A config of each proposer; the draft model is the target itself, so that every
+    greedy draft it makes is kept."""
+    return {"ngram": NGRAM,
+            "self_draft": {"method": "self_draft", "num_speculative_tokens": 3},
+            "draft_model": {"method": "draft_model", "num_speculative_tokens": 3,
+                            "model": str(llama_dir)}}
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llama_dir,
+                                                                            method):
     from rvllm import LLM, SamplingParams
 
     prompts = _repetitive_prompts()
@@ -180,7 +222,7 @@ def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llam
     roomy = LLM(str(llama_dir))
     expected = run(roomy)
     del roomy
-    config = {**NGRAM, "disable_by_batch_size": 8}
+    config = {**_proposers(llama_dir)[method], "disable_by_batch_size": 8}
     tight = LLM(str(llama_dir), speculative_config=config, num_gpu_blocks=14, block_size=8,
                 max_model_len=96, max_num_batched_tokens=48)
     assert run(tight) == expected  # the sampled, seeded one included
@@ -201,12 +243,82 @@ def test_seeded_sampling_with_speculation_is_reproducible(llama_dir):
     assert _generate(llm, prompts, params) == _generate(llm, prompts, params)
 
 
-def test_proposers_not_built_yet_are_refused_at_start(llama_dir):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("method", ["self_draft", "draft_model"])
+def test_model_proposers_keep_greedy_output(model_dirs, arch, method, monkeypatch):
+    """Self-draft (the target's first layer) and a draft model (the target itself: every
+    greedy draft kept) under the engine; on the CPU's numba path the draft's steps run
+    as one compiled call."""
+    from rvllm import LLM, SamplingParams
+    from rvllm.spec_decode.draft import ModelDrafter
+
+    eager = []
+    forward = ModelDrafter._forward
+
+    def counted(self, chunks, logits):
+        eager.append(logits)
+        return forward(self, chunks, logits)
+
+    monkeypatch.setattr(ModelDrafter, "_forward", counted)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _repetitive_prompts()
+    plain = LLM(str(model_dirs[arch]))
+    expected = _generate(plain, prompts, params)
+    del plain
+    config = ({"method": "self_draft", "num_speculative_tokens": 3} if method == "self_draft"
+              else {"method": "draft_model", "num_speculative_tokens": 3,
+                    "model": str(model_dirs[arch])})
+    spec = LLM(str(model_dirs[arch]), speculative_config=config)
+    assert _generate(spec, prompts, params) == expected
+    stats = spec.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens <= stats.num_draft_tokens
+    per_pos = stats.accepted_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    if method == "draft_model":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not any(eager), "the draft's greedy steps should run compiled"
+
+
+def test_a_draft_model_of_another_family_on_the_torch_kernels(model_dirs):
+    """A draft that is another model with the same vocabulary (Qwen2 drafting for Llama),
+    on the torch kernels: the draft steps a forward pass at a time, and the output is
+    still exactly greedy decoding's; sampled, seeded requests stay reproducible."""
+    from rvllm import LLM, SamplingParams
+
+    target = str(model_dirs["llama"])
+    prompts = _repetitive_prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM(target, kernel_backend="torch")
+    expected = _generate(plain, prompts, greedy)
+    del plain
+    config = {"method": "draft_model", "num_speculative_tokens": 2,
+              "model": str(model_dirs["qwen2"])}
+    spec = LLM(target, kernel_backend="torch", speculative_config=config)
+    assert _generate(spec, prompts, greedy) == expected
+    assert spec.engine.spec_stats.num_drafts > 0
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    assert _generate(spec, prompts, sampled) == _generate(spec, prompts, sampled)
+
+
+def test_model_proposers_refuse_what_cannot_work(llama_dir, tmp_path):
+    from conftest import build_model
+
     from rvllm import LLM
 
-    with pytest.raises(ValueError, match="not available yet"):
+    with pytest.raises(ValueError, match="num_draft_layers"):
         LLM(str(llama_dir), speculative_config={"method": "self_draft",
-                                                "num_speculative_tokens": 2})
+                                                "num_speculative_tokens": 2,
+                                                "num_draft_layers": 2})
+    other_vocab = build_model("llama", tmp_path / "other", vocab_size=640)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(llama_dir), speculative_config={"method": "draft_model",
+                                                "num_speculative_tokens": 2,
+                                                "model": str(other_vocab)})
+    with pytest.raises(ValueError, match="one rank"):
+        LLM(str(llama_dir), tensor_parallel_size=2,
+            speculative_config={"method": "self_draft", "num_speculative_tokens": 2})
 
 
 def test_server_takes_the_flag_and_reports_vllm_metrics(llama_dir):

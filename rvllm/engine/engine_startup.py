@@ -149,12 +149,60 @@ def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
 
 
 def check_speculative(args: EngineArgs) -> None:
-    """Prompt lookup (ngram) is the proposer built so far: refuse the others at start-up
-    rather than run without them."""
+    """What speculative decoding cannot run with, refused at start-up: a model-based
+    proposer (draft model, self-draft) runs on one rank only."""
     config = args.speculative_config
-    if config is not None and config.method != "ngram":
-        raise ValueError(f"speculative_config method {config.method!r} is not available "
-                         "yet; use \"ngram\" (prompt lookup).")
+    if config is not None and config.method != "ngram" and args.tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config method {config.method!r} runs on one rank; "
+                         f"this engine has tensor_parallel_size={args.tensor_parallel_size}. "
+                         "Use \"ngram\" (prompt lookup), or one rank.")
+
+
+def start_drafter(args: EngineArgs, model: torch.nn.Module, model_config: ModelConfig,
+                  num_blocks: int, kv_dtype: torch.dtype, device: torch.device
+                  ):  # noqa: ANN205 - spec_decode.draft.ModelDrafter | None
+    """The model-based proposer ``--speculative-config`` asks for, or None (none, or
+    n-gram lookup, which needs no model). A draft model is loaded with a KV cache of its
+    own of ``num_blocks`` blocks (the target's count, so one block table indexes both);
+    ValueError for a draft whose vocabulary is not the target's. A self-draft is a view
+    of the target's first layers and uses the target's cache."""
+    config = args.speculative_config
+    if config is None or config.method == "ngram":
+        return None
+    from rvllm.spec_decode.draft import ModelDrafter, self_draft_model
+
+    if config.method == "self_draft":
+        layers = config.draft_layers(model_config.num_layers)
+        logger.info("speculative decoding: self-draft from the first %d of %d layers, k=%d",
+                    layers, model_config.num_layers, config.num_speculative_tokens)
+        return ModelDrafter(self_draft_model(model, layers), args.block_size, device,
+                            own_cache=False)
+    from rvllm.executor.model_runner import ModelRunner
+    from rvllm.layers.cpu_linear import finish_linear_weights
+    from rvllm.models.loader import load_model
+
+    assert config.model is not None
+    draft_config = ModelConfig.from_path(config.model, model_config.dtype)
+    if draft_config.max_model_len < model_config.max_model_len:
+        raise ValueError(f"speculative_config model {config.model!r} takes "
+                         f"{draft_config.max_model_len} positions, fewer than the target's "
+                         f"max_model_len ({model_config.max_model_len}): lower "
+                         "--max-model-len, or use a draft with the target's context.")
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of "
+                         f"{draft_config.vocab_size} tokens, the target's has "
+                         f"{model_config.vocab_size}: a draft model must share the target's "
+                         "tokenizer.")
+    quantization = resolve_quantization(None, config.model, device, model_config.dtype)
+    draft = load_model(draft_config, device, quantization=quantization)
+    finish_linear_weights(draft)
+    # A runner of its own only to lay out the draft's cache as the target's is laid out.
+    ModelRunner(draft, args.block_size, device).allocate_kv_cache(
+        num_blocks, draft_config.num_kv_heads, draft_config.head_dim, kv_dtype)
+    logger.info("speculative decoding: draft model %s (%s, %d layers), k=%d", config.model,
+                draft_config.architecture, draft_config.num_layers,
+                config.num_speculative_tokens)
+    return ModelDrafter(draft, args.block_size, device, own_cache=True)
 
 
 def preemption_mode(args: EngineArgs) -> str:

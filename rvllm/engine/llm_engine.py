@@ -29,6 +29,7 @@ from rvllm.engine.engine_startup import (
     resolve_quantization,
     scheduler_config,
     select_kernels,
+    start_drafter,
     start_tensor_parallel,
 )
 from rvllm.engine.idle_work import IdleWork
@@ -177,6 +178,9 @@ class LLMEngine:
             if self.tp_group is not None:
                 self.tp_group.shutdown()  # never leave workers or the process group behind
             raise
+        # A draft model or self-draft (--speculative-config), over the same block ids.
+        self.drafter = start_drafter(args, self.model, self.model_config,
+                                     num_blocks + int(use_graphs), kv_dtype, self.device)
         mode = preemption_mode(args)
         if mode == "swap":
             self.runner.allocate_swap_space(args.num_cpu_blocks)
@@ -436,8 +440,11 @@ class LLMEngine:
         if self.speculative_config is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
+        started = time.perf_counter()
         if self.speculative_config is not None:
             self._trim_drafts(sched)
+            if self.drafter is not None:
+                self._fill_drafts(sched)
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting request.")
@@ -452,7 +459,6 @@ class LLMEngine:
             metrics = self.requests[s.seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        started = time.perf_counter()
         step_outputs = self._execute(sched)
         if self.speculative_config is not None:
             self.spec_stats.time_step(sched, time.perf_counter() - started)
@@ -529,8 +535,12 @@ class LLMEngine:
                     self.max_model_len - seq.num_tokens - 1)
             if k < 1:
                 continue
-            draft = propose_ngram(seq.token_ids, k, config.prompt_lookup_min,
-                                  config.prompt_lookup_max)
+            if self.drafter is not None:
+                # Placeholders: the draft model fills them once the step is scheduled.
+                draft = [seq.token_ids[-1]] * k
+            else:
+                draft = propose_ngram(seq.token_ids, k, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
             if draft:
                 seq.spec_tokens = draft
                 seq.token_ids.extend(draft)
@@ -543,6 +553,15 @@ class LLMEngine:
             if seq.spec_tokens:
                 keep = max(0, min(len(seq.spec_tokens), scheduled.get(id(seq), 1) - 1))
                 self._drop_drafts(seq, keep)
+
+    def _fill_drafts(self, sched: SchedulerOutput) -> None:
+        """The draft model's (or self-draft's) tokens in place of the placeholders that
+        each scheduled sequence kept."""
+        assert self.drafter is not None
+        pending = [(s.seq, len(s.seq.spec_tokens)) for s in sched.scheduled
+                   if s.seq.spec_tokens]
+        if pending:
+            self.drafter.fill(pending, {seq.seq_id for seq in self.scheduler.running})
 
     @staticmethod
     def _drop_drafts(seq: Sequence, keep: int = 0) -> None:

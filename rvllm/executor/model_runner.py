@@ -300,16 +300,8 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids, pos, slots = self._decode_inputs(decodes)
-        prefill_meta: list[PrefillSeq] = []
-        for s in prefills:
-            seq, ctx, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            all_pos = torch.arange(ctx + n)
-            seq_slots = table[all_pos // bs] * bs + all_pos % bs
-            prefill_meta.append(PrefillSeq(len(ids), n, ctx, seq_slots.to(self.device)))
-            ids.extend(seq.token_ids[ctx:ctx + n])
-            pos.extend(range(ctx, ctx + n))
-            slots.extend(seq_slots[ctx:].tolist())
+        prefill_meta = [add_chunk(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, bs,
+                                  self.device, ids, pos, slots) for s in prefills]
         dev = self.device
         # The numba kernels read the block tables: the per-position slots are built only
         # if a torch path asks (AttentionMetadata.gather_slots). Tensor parallelism sends
@@ -474,6 +466,21 @@ class ModelRunner:
                     o.top_ids = result.top_logprob_ids[j]
                     o.top_logprobs = result.top_logprobs[j]
         return outputs
+
+
+def add_chunk(seq: Sequence, ctx: int, n: int, block_size: int, device: torch.device,
+              ids: list[int], pos: list[int], slots: list[int]) -> PrefillSeq:
+    """Positions [ctx, ctx + n) of ``seq`` as a chunk that attends over the ``ctx`` before
+    it in the cache: their tokens, positions and slots appended to the step's lists, and
+    the chunk's ``PrefillSeq``."""
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    all_pos = torch.arange(ctx + n)
+    seq_slots = table[all_pos // block_size] * block_size + all_pos % block_size
+    chunk = PrefillSeq(len(ids), n, ctx, seq_slots.to(device))
+    ids.extend(seq.token_ids[ctx:ctx + n])
+    pos.extend(range(ctx, ctx + n))
+    slots.extend(seq_slots[ctx:].tolist())
+    return chunk
 
 
 def _verifies(s: ScheduledSeq) -> bool:

@@ -344,11 +344,16 @@ def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingPa
     target's at the last committed token and at each draft token. Returns the committed
     tokens (the drafts kept, then one of the target's own) and their raw logprobs.
 
-    Greedy keeps a draft while it equals the argmax, so the tokens are greedy decoding's;
-    sampling is exact rejection sampling over temperature, top-k/top-p and min-p's
-    distribution (a proposer without probabilities: q = 1 at its token). Only for rows
-    ``speculation_allowed`` admits: nothing else changes their logits."""
-    from rvllm.spec_decode.rejection import rejection_sample, verify_greedy
+    Greedy keeps a draft while it equals the argmax, so the tokens are greedy decoding's.
+    Sampling draws each position's token as the sampler does (the exponential race over
+    temperature, top-k/top-p and min-p's distribution, one draw from the sequence's
+    generator per position) and keeps a draft while it equals that draw: every committed
+    token is the target's own sample, and a seeded sequence draws from its generator
+    exactly as often as without speculation, so its tokens are the same. For a proposer
+    whose draft is one token (q = 1 there), this keeps a draft with probability p(x), as
+    rejection sampling would. Only for rows ``speculation_allowed`` admits: nothing else
+    changes their logits."""
+    from rvllm.spec_decode.rejection import verify_greedy
 
     raw = logits.float()
     if params.is_greedy:
@@ -362,7 +367,12 @@ def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingPa
                                        _row_tensor([params.top_p] * n, raw))
         if params.min_p > 0.0:
             scaled = apply_min_p(scaled, _row_tensor([params.min_p] * n, raw))
-        tokens = rejection_sample(scaled.softmax(dim=-1), draft, None, generator)
+        probs = scaled.softmax(dim=-1)
+        tokens = []
+        for i in range(n):  # a draw only for positions reached
+            tokens.append(int(exponential_race(probs[i:i + 1], [generator])[0]))
+            if i == len(draft) or tokens[i] != draft[i]:
+                break
     lse = raw[: len(tokens)].logsumexp(dim=-1)
     picked = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
     return tokens, (picked - lse).tolist()

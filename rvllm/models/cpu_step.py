@@ -62,7 +62,8 @@ class CpuStepPlan:
             return None
         if self._caches is None or self._caches[0] is not first:
             layer_caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
-            self._caches = (first, decoder_step.stacked_caches(layer_caches))
+            self._caches = (first, decoder_step.stacked_caches(layer_caches)
+                            or _first_of_deeper_stack(layer_caches))
         return self._caches[1]
 
     def head(self, lm_head: nn.Module) -> Panels | None:
@@ -98,6 +99,19 @@ class CpuStepPlan:
                      for get in _PROJECTIONS.values()}
             self._batch_ok = kinds in ({"int8"}, {"onednn"}, {"packed"})
         return self._batch_ok
+
+
+def _first_of_deeper_stack(layer_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                           ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The stacked caches of layers that are the first few of a deeper stack's one
+    allocation (a self-draft's: ``spec_decode.draft.self_draft_model``), else None."""
+    keys, values = layer_caches[0][0]._base, layer_caches[0][1]._base
+    n = len(layer_caches)
+    if keys is None or values is None or keys.dim() != 5 or keys.shape[0] <= n:
+        return None
+    whole = layer_caches + [(keys[i], values[i]) for i in range(n, keys.shape[0])]
+    stacked = decoder_step.stacked_caches(whole)
+    return None if stacked is None else (stacked[0][:n], stacked[1][:n])
 
 
 def build_plan(decoder: nn.Module) -> CpuStepPlan | None:
