@@ -443,13 +443,15 @@ class ModelRunner:
             assert logits is not None
             draft = seq.spec_tokens[:count - 1]
             tokens, logprobs = verify_drafts(logits[first:first + count], draft, seq.params,
-                                             seq.generator)
+                                             seq.generator, seq.grammar)
             # The kept drafts' positions count as computed, one at a time, as the engine
             # appends each token (later_tokens), like a multi-step decode.
             out.num_new_tokens = 1
             out.token_id, out.logprob = tokens[0], logprobs[0]
             out.later_tokens = tuple(zip(tokens[1:], logprobs[1:]))
-            out.num_drafts, out.num_accepted = len(draft), len(tokens) - 1
+            kept = next((i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d),
+                        min(len(tokens), len(draft)))
+            out.num_drafts, out.num_accepted = len(draft), kept
         if plan.sampling:
             assert logits is not None
             sampling = [outputs[i] for i in plan.sampling]

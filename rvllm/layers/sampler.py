@@ -339,7 +339,8 @@ def _raw_logprobs(
 
 
 def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], list[float]]:
+                  generator: torch.Generator | None, grammar: Any = None
+                  ) -> tuple[list[int], list[float]]:
     """Speculative decoding's check of one sequence: ``logits`` [len(draft) + 1, V] are the
     target's at the last committed token and at each draft token. Returns the committed
     tokens (the drafts kept, then one of the target's own) and their raw logprobs.
@@ -351,39 +352,68 @@ def verify_drafts(logits: torch.Tensor, draft: Sequence[int], params: SamplingPa
     token is the target's own sample, and a seeded sequence draws from its generator
     exactly as often as without speculation, so its tokens are the same. For a proposer
     whose draft is one token (q = 1 there), this keeps a draft with probability p(x), as
-    rejection sampling would. Only for rows ``speculation_allowed`` admits: nothing else
-    changes their logits."""
+    rejection sampling would.
+
+    ``grammar`` (a structured-output matcher): each position is masked as the grammar
+    stands after the drafts kept before it, which it is moved past for the purpose and
+    rolled back over at the end (the engine moves it past the committed tokens). Where
+    a kept draft completes the grammar, that draft is the last token. Only for rows
+    ``speculation_allowed`` admits: nothing else changes their logits."""
     from rvllm.spec_decode.rejection import verify_greedy
 
     raw = logits.float()
-    if params.is_greedy:
+    if grammar is None and params.is_greedy:
         tokens = verify_greedy(raw.argmax(dim=-1).tolist(), draft)
-    else:
-        n, vocab_size = raw.shape
-        scaled = raw / params.temperature
-        if params.top_k > 0 or params.top_p < 1.0:
-            top_k = params.top_k if params.top_k > 0 else vocab_size
-            scaled = apply_top_k_top_p(scaled, _index_tensor([top_k] * n, raw),
-                                       _row_tensor([params.top_p] * n, raw))
-        if params.min_p > 0.0:
-            scaled = apply_min_p(scaled, _row_tensor([params.min_p] * n, raw))
-        probs = scaled.softmax(dim=-1)
+    elif grammar is None:
+        probs = _sampling_probs(raw, params)
         tokens = []
-        for i in range(n):  # a draw only for positions reached
+        for i in range(raw.shape[0]):  # a draw only for positions reached
             tokens.append(int(exponential_race(probs[i:i + 1], [generator])[0]))
             if i == len(draft) or tokens[i] != draft[i]:
                 break
+    else:
+        tokens, moved = [], 0
+        try:
+            for i in range(raw.shape[0]):
+                row = raw[i:i + 1].clone()
+                apply_grammar_masks_(row, [0], [grammar])
+                tokens.append(int(row.argmax()) if params.is_greedy else
+                              int(exponential_race(_sampling_probs(row, params),
+                                                   [generator])[0]))
+                if i == len(draft) or tokens[i] != draft[i] or not grammar.accept(tokens[i]):
+                    break
+                moved += 1
+                if grammar.is_terminated():
+                    break
+        finally:
+            if moved:
+                grammar.rollback(moved)
     lse = raw[: len(tokens)].logsumexp(dim=-1)
     picked = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
     return tokens, (picked - lse).tolist()
 
 
+def _sampling_probs(raw: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One sequence's rows [n, V] of logits as the distribution its sampling draws from:
+    temperature, then top-k/top-p and min-p (as ``_sample_random`` does a batch)."""
+    n, vocab_size = raw.shape
+    scaled = raw / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0:
+        top_k = params.top_k if params.top_k > 0 else vocab_size
+        scaled = apply_top_k_top_p(scaled, _index_tensor([top_k] * n, raw),
+                                   _row_tensor([params.top_p] * n, raw))
+    if params.min_p > 0.0:
+        scaled = apply_min_p(scaled, _row_tensor([params.min_p] * n, raw))
+    return scaled.softmax(dim=-1)
+
+
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence's next tokens may be proposed and verified: nothing may make
-    one position's logits depend on the tokens before it beyond the model itself (no
-    penalties, logit_bias, grammar, min_tokens still due) and no top logprobs are asked."""
+    one position's logits depend on the tokens before it beyond the model itself and its
+    grammar (no penalties, logit_bias, min_tokens still due) and no top logprobs are
+    asked."""
     return (params.logprobs is None and not params.logit_bias and not params.needs_penalties
-            and params.structured_outputs is None and num_output_tokens >= params.min_tokens)
+            and num_output_tokens >= params.min_tokens)
 
 
 def compute_prompt_logprobs(

@@ -21,6 +21,7 @@ from torch import nn
 from rvllm.engine.sequence import Sequence
 from rvllm.forward_context import AttentionMetadata, add_block_tables, set_forward_context
 from rvllm.layers.backend import use_triton
+from rvllm.layers.sampler import apply_grammar_masks_
 
 
 def self_draft_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -104,32 +105,59 @@ class ModelDrafter:
 
     def _draft(self, seqs: list[Sequence], count: int) -> None:
         """``count`` greedy steps of ``seqs`` from each one's last committed token: one
-        compiled call on the CPU where the model has it, else a forward pass a step."""
-        bs = self.block_size
-        starts = [seq.num_tokens - count - 1 for seq in seqs]
+        compiled call on the CPU where the model has it, else (and for sequences with a
+        structured-output grammar, whose drafts follow it) a forward pass a step."""
+        plain = [seq for seq in seqs if seq.grammar is None]
+        if plain and self._draft_compiled(plain, count):
+            seqs = [seq for seq in seqs if seq.grammar is not None]
+        if seqs:
+            self._draft_stepwise(seqs, count)
+
+    def _draft_compiled(self, seqs: list[Sequence], count: int) -> bool:
+        """The greedy steps as one compiled CPU call (``decode_greedy_steps``); False
+        where the model has none for this step."""
         steps = getattr(self.model, "decode_greedy_steps", None)
-        found = None
-        if steps is not None:
-            rows = len(seqs)
-            ids, pos = np.empty(rows, np.int64), np.array(starts, np.int64)
-            width = (max(starts) + count - 1) // bs + 1
-            tables = np.zeros((rows, width), np.int64)
-            for i, (seq, start) in enumerate(zip(seqs, starts)):
-                ids[i] = seq.token_ids[start]
-                used = seq.block_table[:width]
-                tables[i, :len(used)] = used
-            found = steps(ids, pos, tables, bs, count, np.full((rows, 1), -1, np.int64))
-        if found is not None:
-            tokens = np.array(found[0], np.int64).T.tolist()  # [seq][step]
-            for seq, start, drafts in zip(seqs, starts, tokens):
-                self._place(seq, start, drafts[:count])
-            return
-        for step in range(count):
-            chunks = [(seq, start + step, 1) for seq, start in zip(seqs, starts)]
-            argmax = self._forward(chunks, logits=True)
-            for seq, start, token in zip(seqs, starts, argmax):
-                seq.token_ids[start + 1 + step] = token
-                seq.spec_tokens[step] = token
+        if steps is None:
+            return False
+        bs, rows = self.block_size, len(seqs)
+        starts = [seq.num_tokens - count - 1 for seq in seqs]
+        ids, pos = np.empty(rows, np.int64), np.array(starts, np.int64)
+        width = (max(starts) + count - 1) // bs + 1
+        tables = np.zeros((rows, width), np.int64)
+        for i, (seq, start) in enumerate(zip(seqs, starts)):
+            ids[i] = seq.token_ids[start]
+            used = seq.block_table[:width]
+            tables[i, :len(used)] = used
+        found = steps(ids, pos, tables, bs, count, np.full((rows, 1), -1, np.int64))
+        if found is None:
+            return False
+        tokens = np.array(found[0], np.int64).T.tolist()  # [seq][step]
+        for seq, start, drafts in zip(seqs, starts, tokens):
+            self._place(seq, start, drafts[:count])
+        return True
+
+    def _draft_stepwise(self, seqs: list[Sequence], count: int) -> None:
+        """A forward pass a step; a sequence's grammar masks each step's logits and is
+        moved past each draft, then rolled back (the verifying step moves it again)."""
+        starts = [seq.num_tokens - count - 1 for seq in seqs]
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        moved = [0] * len(seqs)
+        try:
+            for step in range(count):
+                chunks = [(seq, start + step, 1) for seq, start in zip(seqs, starts)]
+                logits = self._forward(chunks)
+                live = [i for i in constrained if not seqs[i].grammar.is_terminated()]
+                if live:
+                    apply_grammar_masks_(logits, live, [seqs[i].grammar for i in live])
+                for i, (seq, token) in enumerate(zip(seqs, logits.argmax(dim=-1).tolist())):
+                    seq.token_ids[starts[i] + 1 + step] = token
+                    seq.spec_tokens[step] = token
+                    if i in live and seq.grammar.accept(token):
+                        moved[i] += 1
+        finally:
+            for i in constrained:
+                if moved[i]:
+                    seqs[i].grammar.rollback(moved[i])
         for seq, start in zip(seqs, starts):
             self._note(seq, start + count)
 
@@ -138,10 +166,11 @@ class ModelDrafter:
         seq.spec_tokens = list(drafts)
         self._note(seq, start + len(drafts))
 
-    def _forward(self, chunks: list[tuple[Sequence, int, int]], logits: bool) -> list[int]:
+    def _forward(self, chunks: list[tuple[Sequence, int, int]], logits: bool = True
+                 ) -> torch.Tensor | None:
         """One forward pass of the draft over ``chunks`` (sequence, first position, count),
-        each attending over the cache before it; with ``logits``, each chunk's argmax
-        next token."""
+        each attending over the cache before it; with ``logits``, each chunk's logits at
+        its last position [len(chunks), V], float32."""
         from rvllm.executor.model_runner import add_chunk
 
         bs, dev = self.block_size, self.device
@@ -160,7 +189,7 @@ class ModelDrafter:
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                                 torch.tensor(pos, dtype=torch.long, device=dev))
             if not logits:
-                return []
+                return None
             last = torch.tensor([c.token_start + c.num_tokens - 1 for c in prefills],
                                 dtype=torch.long, device=dev)
-            return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+            return self.model.compute_logits(hidden[last]).float()
