@@ -122,3 +122,21 @@ def test_cuda_graph_sizes_flag() -> None:
     assert parse_capture_sizes("1,4,64", 32) == [1, 4]
     with pytest.raises(ValueError, match="cuda-graph-sizes"):
         parse_capture_sizes("1,x", 8)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+def test_speculation_on_the_triton_kernels_keeps_greedy_output(llama_dir: Path,
+                                                                method: str) -> None:
+    """Verifying steps on the Triton kernels (eager: the prefill path, not a decode
+    graph), with each proposer; the draft model is the target itself."""
+    config = {"method": method, "num_speculative_tokens": 3,
+              **({"model": str(llama_dir)} if method == "draft_model" else {})}
+    prompts = [[7, 8, 9, 10] * 4, [30, 31, 32] * 5]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(llama_dir), kernel_backend="triton", dtype="float32")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    spec = LLM(str(llama_dir), kernel_backend="triton", dtype="float32",
+               speculative_config=config)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.engine.spec_stats.num_drafts > 0

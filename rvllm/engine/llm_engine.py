@@ -181,6 +181,9 @@ class LLMEngine:
         # A draft model or self-draft (--speculative-config), over the same block ids.
         self.drafter = start_drafter(args, self.model, self.model_config,
                                      num_blocks + int(use_graphs), kv_dtype, self.device)
+        if args.speculative_config is not None and use_graphs:
+            logger.info("speculative decoding: verifying steps (and a model proposer's "
+                        "drafts) run eagerly; plain decode steps replay the CUDA graphs")
         mode = preemption_mode(args)
         if mode == "swap":
             self.runner.allocate_swap_space(args.num_cpu_blocks)
