@@ -29,6 +29,17 @@ done_before() {  # $1: the mode; whether its stamp records these inputs
 # The tests' data from llama.cpp (real models' vocabularies, its GGUF converter): a cache
 # outside the venv, fetched once (a second run only checks it is there).
 if [ "$mode" = test ]; then python scripts/fetch_test_data.py; fi
+# The dashboard's browser test (tests/test_dashboard.py) drives Debian's Chromium headless:
+# installed here when missing and this is a root shell with apt-get; otherwise that test
+# is skipped (outside CI) and says why.
+if [ "$mode" = test ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+      >/dev/null || echo "setup: could not install chromium" >&2
+  else
+    echo "setup: chromium is not installed (as root: apt-get install chromium)" >&2
+  fi
+fi
 # A test setup covers a runtime one.
 if done_before "$mode" || { [ "$mode" = runtime ] && done_before test; }; then
   exit 0

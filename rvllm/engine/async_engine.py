@@ -67,6 +67,25 @@ class EngineSnapshot:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
     engine_resident_memory_bytes: int = 0  # the engine process's resident memory
+    num_requests_swapped: int = 0  # preempted to CPU swap space (not in waiting's count)
+
+
+def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    """The gauges and counters of ``engine`` now (read from the thread that steps it, or
+    while it is not stepping)."""
+    bm = engine.block_manager
+    scheduler = engine.scheduler
+    running = len({s.request_id for s in list(scheduler.running)})
+    swapped = len({s.request_id for s in list(scheduler.swapped)})
+    return EngineSnapshot(
+        num_requests_running=running,
+        num_requests_waiting=max(0, engine.num_unfinished_requests() - running - swapped),
+        kv_cache_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+        prompt_tokens=engine.stats["prompt_tokens"],
+        generation_tokens=engine.stats["generation_tokens"],
+        prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions, num_requests_swapped=swapped,
+        **engine.snapshot_counters())
 
 
 _END = object()  # end of a stream without a finished output (the request was aborted)
@@ -252,23 +271,9 @@ class AsyncEngine:
             self._cond.notify()
 
     def snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        bm = engine.block_manager
-        running = {s.request_id for s in list(engine.scheduler.running)}
-        return EngineSnapshot(
-            num_requests_running=len(running),
-            num_requests_waiting=max(0, engine.num_unfinished_requests() - len(running))
-            + len(self._new),
-            kv_cache_usage=bm.usage,
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            prompt_tokens=engine.stats["prompt_tokens"],
-            generation_tokens=engine.stats["generation_tokens"],
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=engine.scheduler.num_preemptions,
-            **engine.snapshot_counters(),
-        )
+        snap = snapshot_of(self.engine)
+        snap.num_requests_waiting += len(self._new)  # added, not yet taken by the loop
+        return snap
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step and end every open stream."""

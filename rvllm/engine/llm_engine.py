@@ -205,6 +205,7 @@ class LLMEngine:
         self._grammar_wait: list[Request] = []
         self.speculative_config = args.speculative_config
         self.spec_stats = _SpecStats(self.speculative_config)
+        self._verify_rows = self._verify_rows_cap()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -225,6 +226,25 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
+
+    def settings(self) -> dict[str, Any]:
+        """What this engine resolved from its arguments (``auto`` made concrete), as plain
+        values: for the server's dashboard, which may run in another process."""
+        spec = self.speculative_config
+        return {
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.model_config.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.cache_config.cache_dtype).removeprefix("torch."),
+            "quantization": self.quantization,
+            "kernel_backend": self.kernel_backend,
+            "linear_backend": getattr(self.model, "linear_backend", None),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "speculative": (None if spec is None
+                            else f"{spec.method}, {spec.num_speculative_tokens} tokens"),
+        }
 
     def _use_cuda_graphs(self) -> bool:
         args = self.args
@@ -513,6 +533,23 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
+    def _verify_rows_cap(self) -> int | None:
+        """The most rows (decodes, and speculating sequences' last tokens and drafts) a
+        verifying step should have, or None for no cap: packed GGUF weights on the CPU
+        are read packed for up to ``DIRECT_ROWS`` rows, and widened to float32 past that
+        (SmolLM2's Q4_1 on a 2-vCPU Xeon: four rows cost 1.7 one-row steps, five 3.7)."""
+        config = self.speculative_config
+        if (config is None or self.kernel_backend != "numba"
+                or getattr(self.model, "linear_backend", None) != "packed"):
+            return None
+        from rvllm.kernels.cpu.packed import DIRECT_ROWS
+
+        if config.num_speculative_tokens >= DIRECT_ROWS:
+            logger.info("speculative decoding: at most %d drafts a step on packed weights "
+                        "(a step reads them packed for up to %d rows)", DIRECT_ROWS - 1,
+                        DIRECT_ROWS)
+        return DIRECT_ROWS
+
     def _propose_drafts(self) -> None:
         """Propose the next tokens of every running sequence that decodes and may
         speculate, appended to its tokens so that the scheduler gives it their slots."""
@@ -521,6 +558,8 @@ class LLMEngine:
         running = self.scheduler.running
         if len(running) > config.disable_by_batch_size:
             return
+        # Drafts the step's rows have room for past each running sequence's own.
+        spare = None if self._verify_rows is None else self._verify_rows - len(running)
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not speculation_allowed(
                     seq.params, seq.num_output_tokens):
@@ -536,6 +575,8 @@ class LLMEngine:
             k = min(config.num_speculative_tokens,
                     seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
+            if spare is not None:
+                k = min(k, spare)
             if k < 1:
                 continue
             if self.drafter is not None:
@@ -547,6 +588,8 @@ class LLMEngine:
             if draft:
                 seq.spec_tokens = draft
                 seq.token_ids.extend(draft)
+                if spare is not None:
+                    spare -= len(draft)
 
     def _trim_drafts(self, sched: SchedulerOutput) -> None:
         """Keep of each sequence's drafts the ones its scheduled tokens cover; a sequence

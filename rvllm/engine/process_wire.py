@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from rvllm.config import EngineArgs, resolve_device
-from rvllm.engine.async_engine import EngineSnapshot
+from rvllm.engine.async_engine import EngineSnapshot, snapshot_of
 from rvllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from rvllm.startup import pause_collector, resume_collector
 
@@ -34,6 +34,8 @@ class EngineInfo:
     path: str
     max_model_len: int
     vocab_size: int
+    # ``LLMEngine.settings()``: what the engine resolved (dtype, kernels, ...), as strings.
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -169,16 +171,7 @@ class OutputDecoder:
 
 
 def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    bm = engine.block_manager
-    running = len({s.request_id for s in engine.scheduler.running})
-    return EngineSnapshot(
-        num_requests_running=running,
-        num_requests_waiting=max(0, engine.num_unfinished_requests() - running),
-        kv_cache_usage=bm.usage, num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
-        prompt_tokens=engine.stats["prompt_tokens"],
-        generation_tokens=engine.stats["generation_tokens"],
-        prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
-        num_preemptions=engine.scheduler.num_preemptions, **engine.snapshot_counters())
+    return snapshot_of(engine)
 
 
 def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
@@ -280,7 +273,8 @@ def child_main(args: EngineArgs, requests: Connection, outputs: Connection,
     try:
         resume_collector()
         config = engine.model_config
-        info = EngineInfo(config.path, config.max_model_len, config.vocab_size)
+        info = EngineInfo(config.path, config.max_model_len, config.vocab_size,
+                          engine.settings())
         outputs.send(("ready", (info, engine_snapshot(engine))))
         serve(engine, requests, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):

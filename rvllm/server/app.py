@@ -35,6 +35,7 @@ from rvllm.server.args import (
     serve_engine_args,
     start_engine_process,
 )
+from rvllm.server.dashboard import Dashboard
 from rvllm.server.errors import APIError, error_body, install_error_handlers
 from rvllm.server.limits import BodyLimitMiddleware, default_max_body_bytes
 from rvllm.server.metrics import ServerMetrics
@@ -103,13 +104,16 @@ def cors_middleware_options(cors: dict[str, Any]) -> dict[str, Any]:
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
-              cors: dict[str, Any] | None = None) -> FastAPI:
+              cors: dict[str, Any] | None = None, dashboard: bool = True,
+              dashboard_show_prompts: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
     whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
     (``args.cors_options``: ``allowed_origins``, ``allowed_methods``, ``allowed_headers``,
     ``allow_credentials``, each defaulting as vLLM's flags do) puts Starlette's
-    CORSMiddleware in front of every route; None leaves CORS out."""
+    CORSMiddleware in front of every route; None leaves CORS out. ``dashboard`` serves the
+    live dashboard (``/dashboard`` and ``/v1/engine/stats``), with the prompts of the
+    live requests if ``dashboard_show_prompts``."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -124,9 +128,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
         # Outside the API-key check, so that a 401 carries the headers a browser needs to
         # read it; preflights (OPTIONS) are answered here and never reach the routes.
         app.add_middleware(CORSMiddleware, **cors_middleware_options(cors))
-    completions = CompletionServing(engine, served_model_name)
-    chat = ChatServing(engine, served_model_name, tool_call_parser, enable_auto_tool_choice)
     metrics = ServerMetrics(engine, served_model_name)
+    board = (Dashboard(engine, metrics, served_model_name, dashboard_show_prompts)
+             if dashboard else None)
+    # The endpoints' engine: with the dashboard, one that also notes each request added.
+    serving_engine: Any = engine if board is None else board.track()
+    completions = CompletionServing(serving_engine, served_model_name)
+    chat = ChatServing(serving_engine, served_model_name, tool_call_parser,
+                       enable_auto_tool_choice)
     started = int(time.time())
     fastapi_openapi = app.openapi
 
@@ -209,6 +218,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
                            param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    if board is not None:
+        board.add_routes(app)
     return app
 
 
@@ -225,7 +236,7 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
             name = served_name(ns, started.args.resolve_model())
             server = http_server(ns, build_app(started, name, ns.api_key, ns.tool_call_parser,
                                                ns.enable_auto_tool_choice,
-                                               cors=cors_options(ns)), started)
+                                               **app_options(ns)), started)
             started.wait_ready()
         except BaseException:
             started.shutdown(timeout=5.0)
@@ -240,7 +251,7 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
         name = served_name(ns, engine.model_path)
         server = http_server(ns, build_app(engine, name, ns.api_key, ns.tool_call_parser,
                                            ns.enable_auto_tool_choice,
-                                           cors=cors_options(ns)), engine)
+                                           **app_options(ns)), engine)
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     resume_collector()
     for replica in replicas:
@@ -253,6 +264,12 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
         pass
     finally:
         engine.shutdown()
+
+
+def app_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """``build_app``'s CORS and dashboard options from the flags."""
+    return {"cors": cors_options(ns), "dashboard": not ns.disable_dashboard,
+            "dashboard_show_prompts": ns.dashboard_show_prompts}
 
 
 def served_name(ns: argparse.Namespace, model_path: str) -> str:

@@ -51,6 +51,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
                         "SmolLM2's <tool_call> form), llama3_json (Llama 3.1/3.2), mistral")
+    g.add_argument("--disable-dashboard", action="store_true",
+                   help="do not serve the live dashboard (/dashboard) and its data "
+                        "(/v1/engine/stats)")
+    g.add_argument("--dashboard-show-prompts", action="store_true",
+                   help="show the start of each live request's prompt on the dashboard "
+                        "(to whoever may read /v1/engine/stats)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true",

@@ -8,6 +8,8 @@ each step's outputs come out, so the times are the engine's, not HTTP's.
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -56,6 +58,8 @@ class _EngineCollector(Collector):
                     s.num_requests_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                     s.num_requests_waiting)
+        yield gauge("vllm:num_requests_swapped", "Requests preempted to CPU swap space.",
+                    s.num_requests_swapped)
         yield gauge("vllm:kv_cache_usage_perc",
                     "Fraction of KV-cache blocks in use (1 means 100 percent).",
                     s.kv_cache_usage)
@@ -109,6 +113,32 @@ class _EngineCollector(Collector):
         return h
 
 
+class RecentLatencies:
+    """The latest TTFT, TPOT (time per output token after the first, per finished
+    request) and end-to-end latency samples with the time each was taken: percentiles
+    over a sliding window for the dashboard, from the same observations the histograms
+    take."""
+
+    NAMES = ("ttft", "tpot", "e2e")
+    MAX_SAMPLES = 4096  # per latency; older samples are dropped first
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: dict[str, deque[tuple[float, float]]] = {
+            name: deque(maxlen=self.MAX_SAMPLES) for name in self.NAMES}
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._samples[name].append((time.monotonic(), seconds))
+
+    def window(self, seconds: float) -> dict[str, list[float]]:
+        """Each latency's samples of the last ``seconds``, sorted."""
+        since = time.monotonic() - seconds
+        with self._lock:
+            return {name: sorted(v for t, v in samples if t >= since)
+                    for name, samples in self._samples.items()}
+
+
 class ServerMetrics:
     """The registry behind ``GET /metrics``, fed by the engine's step observer."""
 
@@ -132,6 +162,7 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        self.recent = RecentLatencies()
         self._lock = threading.Lock()
         # request id -> time of its last token (None before the first): the ITL baseline.
         self._last_token: dict[str, float | None] = {}
@@ -156,6 +187,7 @@ class ServerMetrics:
             if last is None:
                 assert m.first_token_time is not None
                 self.ttft.observe(m.first_token_time - m.arrival_time)
+                self.recent.add("ttft", m.first_token_time - m.arrival_time)
             else:
                 self.itl.observe(m.last_token_time - last)
             self._last_token[out.request_id] = m.last_token_time
@@ -163,8 +195,18 @@ class ServerMetrics:
             del self._last_token[out.request_id]
             if m.finished_time is not None:
                 self.e2e.observe(m.finished_time - m.arrival_time)
+                self.recent.add("e2e", m.finished_time - m.arrival_time)
+            tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
+                self.recent.add("tpot", (m.last_token_time - m.first_token_time) / (tokens - 1))
             reason = out.outputs[0].finish_reason if out.outputs else None
             self._success.labels(self._model_name, reason or "stop").inc()
+
+    def finished_requests(self) -> dict[str, int]:
+        """``vllm:request_success_total`` by finish reason."""
+        return {s.labels["finished_reason"]: int(s.value)
+                for family in self._success.collect() for s in family.samples
+                if s.name.endswith("_total")}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
