@@ -87,6 +87,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "or per group of CPU cores)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
                    help="mp: local worker processes; ray: workers placed on a Ray cluster")
+    g.add_argument("--model-impl", choices=["auto", "torch", "jax"], default="auto",
+                   help="which implementation runs the model: torch = rvllm's own modules "
+                        "(auto); jax = one jitted JAX step over stacked weights and a paged "
+                        "cache of JAX arrays (Llama, Mistral, Qwen2; pip install "
+                        "'rvllm[jax]'), the scheduler, sampler and server unchanged")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -135,6 +140,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         distributed_executor_backend=ns.distributed_executor_backend,
         structured_outputs_config=ns.structured_outputs_config,
         speculative_config=ns.speculative_config,
+        model_impl=ns.model_impl,
         show_progress=True,
     )
 

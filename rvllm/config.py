@@ -247,6 +247,9 @@ class SchedulerConfig:
             )
 
 
+# What --model-impl may name: auto (= torch), torch, jax.
+MODEL_IMPLS = ("auto", "torch", "jax")
+
 # Grammar engines structured output may run on; auto = guidance (llguidance).
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
 
@@ -326,6 +329,9 @@ class EngineArgs:
     # Speculative decoding (vLLM's JSON; a dict or JSON text is parsed into
     # spec_decode.config.SpeculativeConfig). None: off.
     speculative_config: Any = None
+    # Which implementation runs the model (vLLM's --model-impl): auto and torch = rvllm's
+    # torch modules; jax = the JAX backend (rvllm.jax, the optional jax extra).
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         self.structured_outputs_config = StructuredOutputsConfig.parse(
@@ -333,6 +339,9 @@ class EngineArgs:
         from rvllm.spec_decode.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
+                             f"got {self.model_impl!r}.")
 
     def resolve_model(self) -> str:
         if self.model:

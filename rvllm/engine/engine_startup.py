@@ -267,3 +267,44 @@ def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         )
     return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill,
                            args.num_scheduler_steps)
+
+
+def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dtype,
+                      quantization: str | None) -> None:
+    """Refuse, before anything runs, what ``--model-impl jax`` does not cover yet."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None:
+        raise ValueError("--model-impl jax needs JAX: pip install 'rvllm[jax]' (or jax).")
+    refused = []
+    if device.type not in ("cpu", "cuda"):
+        refused.append(f"--device {device.type} (the CPU and CUDA GPUs only)")
+    if device.type == "cuda" and args.num_gpu_blocks is None:
+        refused.append("a GPU cache sized by profiling (give --num-gpu-blocks)")
+    if args.tensor_parallel_size > 1:
+        refused.append("--tensor-parallel-size above 1")
+    if args.speculative_config is not None:
+        refused.append("--speculative-config")
+    if args.num_scheduler_steps > 1:
+        refused.append("--num-scheduler-steps above 1")
+    if args.num_cpu_blocks or args.preemption_mode == "swap":
+        refused.append("swap preemption (--num-cpu-blocks, --preemption-mode swap)")
+    if quantization is not None:
+        refused.append(f"--quantization {quantization}")
+    if args.load_format != "auto":
+        refused.append(f"--load-format {args.load_format}")
+    if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        refused.append(f"a {str(kv_dtype).removeprefix('torch.')} KV cache")
+    if refused:
+        raise ValueError("--model-impl jax does not support " + "; ".join(refused)
+                         + " yet. Run without them, or with --model-impl torch.")
+
+
+def start_jax_runner(args: EngineArgs, model_config: ModelConfig,
+                     sched_config: SchedulerConfig, device: torch.device):  # noqa: ANN201
+    """The JAX backend's model runner (``rvllm.jax.runner.JaxModelRunner``), once
+    ``check_jax_backend`` has passed: JAX is imported here, and only here."""
+    from rvllm.jax.runner import JaxModelRunner
+
+    return JaxModelRunner(model_config, sched_config, args.block_size, device,
+                          progress=args.show_progress)

@@ -23,6 +23,7 @@ from rvllm.config import (
 )
 from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.engine_startup import (
+    check_jax_backend,
     check_scheduler_steps,
     check_speculative,
     preemption_mode,
@@ -30,6 +31,7 @@ from rvllm.engine.engine_startup import (
     scheduler_config,
     select_kernels,
     start_drafter,
+    start_jax_runner,
     start_tensor_parallel,
 )
 from rvllm.engine.idle_work import IdleWork
@@ -111,6 +113,8 @@ class LLMEngine:
             self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
+        if args.model_impl == "jax":  # before the weights load
+            check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
         self.tokenizer: Tokenizer | None = None
@@ -151,14 +155,18 @@ class LLMEngine:
             phase = time.perf_counter()
             finish_linear_weights(self.model)  # before anything runs the model
             self.startup_phases["packing_wait"] = time.perf_counter() - phase
-            self.runner = ModelRunner(self.model, args.block_size, self.device)
+            if args.model_impl == "jax":  # the JAX backend: its own runner, all else as is
+                self.runner = start_jax_runner(args, self.model_config, self.scheduler_config,
+                                               self.device)
+            else:
+                self.runner = ModelRunner(self.model, args.block_size, self.device)
             self.startup_phases["load"] = self.model.load_seconds
             if profile:
                 phase = time.perf_counter()
                 num_blocks = self._profile_num_blocks()
                 self.startup_phases["profile"] = time.perf_counter() - phase
                 self._check_capacity(num_blocks)
-            use_graphs = self._use_cuda_graphs()
+            use_graphs = self._use_cuda_graphs() and args.model_impl != "jax"
             # With graphs, one block past the managed ones takes the padding rows' writes.
             self.runner.allocate_kv_cache(num_blocks + int(use_graphs),
                                           self.model_config.num_kv_heads,
