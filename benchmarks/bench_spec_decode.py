@@ -18,7 +18,10 @@ is generated tokens over the wall time of ``llm.generate``. Each configuration i
 ``LLM``: no speculation, and ``ngram`` with k=4, prompt_lookup_min 2, max 4 (and k=6,
 min 1 on quote at N=1), vLLM's default ``disable_by_batch_size`` of 4, so a step with
 more running sequences than that does not speculate (and, to see what that limit saves,
-k=4 with the limit at 64 on quote at N=8 and 32: ``ngram_k4_batch``). Every instance
+k=4 with the limit at 64 on quote at N=8 and 32: ``ngram_k4_batch``); at N=1 also the
+model proposers, k=3: ``self_draft_k3`` (the target's first quarter of layers) and, for a
+Hugging Face target, ``draft_model_k3`` (a checkpoint of its first ``--draft-layers``
+layers, written to the temporary directory). Every instance
 first prefills every prompt it runs once (max_tokens 1, which leaves them in its prefix
 cache, so the timed runs are decode-bound) and generates 48 tokens of a quote prompt (the
 draft-and-verify path); then the runs alternate (none, spec, none, spec) and the median
@@ -32,7 +35,7 @@ difference is printed loudly and recorded.
 
     python benchmarks/bench_spec_decode.py [--models default,/work/peers/random-llama]
         [--ns 1,8,32] [--n1-prompts 3] [--repeats 2] [--no-k6] [--no-batch-spec]
-        [--json OUT]
+        [--no-self-draft] [--draft-layers 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,8 @@ NGRAM_K6 = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min":
 NOISY = 1.15
 # Batches speculate too: no step has more running sequences than this.
 NGRAM_K4_BATCH = {**NGRAM_K4, "disable_by_batch_size": 64}
+# The target's first quarter of layers (the default) as its own draft, at N=1.
+SELF_DRAFT_K3 = {"method": "self_draft", "num_speculative_tokens": 3}
 
 CHAT_QUESTIONS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -251,7 +257,38 @@ def runs_config(name: str, workload: str, n: int) -> bool:
         return workload == "quote" and n == 1
     if name == "ngram_k4_batch":
         return workload == "quote" and n > 1
+    if name in ("self_draft_k3", "draft_model_k3"):
+        return n == 1
     return True
+
+
+def first_layers_checkpoint(model: str, layers: int, out_dir: Path) -> str:
+    """A Hugging Face checkpoint of ``model``'s first ``layers`` decoder layers with its
+    embeddings, final norm, LM head and tokenizer: a draft model with the target's
+    vocabulary, written to ``out_dir``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            tensors[name] = t
+    save_file(tensors, out_dir / "model.safetensors")
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                  "special_tokens_map.json"):
+        if (src / extra).exists():
+            shutil.copy(src / extra, out_dir / extra)
+    return str(out_dir)
 
 
 def run_model(model: str | None, ns: argparse.Namespace) -> dict[str, Any]:
@@ -264,6 +301,14 @@ def run_model(model: str | None, ns: argparse.Namespace) -> dict[str, Any]:
         configs["ngram_k6_min1"] = NGRAM_K6
     if ns.batch_spec and any(n > 1 for n in ns.ns):
         configs["ngram_k4_batch"] = NGRAM_K4_BATCH
+    if ns.self_draft and 1 in ns.ns:
+        configs["self_draft_k3"] = SELF_DRAFT_K3
+    if ns.draft_layers and 1 in ns.ns and model is not None and Path(model).is_dir():
+        draft = first_layers_checkpoint(model, ns.draft_layers,
+                                        Path(tempfile.gettempdir())
+                                        / f"rvllm-draft-{ns.draft_layers}-{Path(model).name}")
+        configs["draft_model_k3"] = {"method": "draft_model", "num_speculative_tokens": 3,
+                                     "model": draft}
     llms = {}
     startup = {}
     for name, spec in configs.items():
@@ -277,7 +322,9 @@ def run_model(model: str | None, ns: argparse.Namespace) -> dict[str, Any]:
     # Warm-up: every prompt prefilled once (into the prefix cache), then drafting.
     for name, llm in llms.items():
         start = time.perf_counter()
-        used = {"ngram_k6_min1": prompts["quote"][:ns.n1_prompts],
+        n1 = prompts["quote"][:ns.n1_prompts] + prompts["chat"][:ns.n1_prompts]
+        used = {"ngram_k6_min1": prompts["quote"][:ns.n1_prompts], "self_draft_k3": n1,
+                "draft_model_k3": n1,
                 "ngram_k4_batch": prompts["quote"]}.get(name,
                                                         prompts["quote"] + prompts["chat"])
         llm.generate(used, rvllm.SamplingParams(temperature=0.0, max_tokens=1))
@@ -371,6 +418,12 @@ def main() -> int:
                              f"than {NOISY}x")
     parser.add_argument("--no-batch-spec", dest="batch_spec", action="store_false",
                         help="skip ngram k=4 with disable_by_batch_size 64 (quote, N>1)")
+    parser.add_argument("--no-self-draft", dest="self_draft", action="store_false",
+                        help="skip self-draft (the first quarter of layers), k=3, at N=1")
+    parser.add_argument("--draft-layers", type=int, default=3, metavar="L",
+                        help="draft_model k=3 at N=1 with a draft of the target's first L "
+                             "layers, written to the temporary directory (Hugging Face "
+                             "targets only; 0: none)")
     parser.add_argument("--seed", type=int, default=0, help="picks the quoted passages")
     parser.add_argument("--json", default=str(OUT), metavar="PATH")
     ns = parser.parse_args()
@@ -422,7 +475,10 @@ def main() -> int:
                    "warm_up": "each instance: every prompt with max_tokens 1 (prefix cache), "
                               "then one quote prompt with max_tokens 48",
                    "spec_configs": {"ngram_k4": NGRAM_K4, "ngram_k6_min1": NGRAM_K6,
-                                    "ngram_k4_batch": NGRAM_K4_BATCH},
+                                    "ngram_k4_batch": NGRAM_K4_BATCH,
+                                    "self_draft_k3": SELF_DRAFT_K3,
+                                    "draft_model_k3": (f"the target's first {ns.draft_layers} "
+                                                       "layers as a checkpoint, k=3")},
                    "disable_by_batch_size": "default (4) but ngram_k4_batch's 64"},
         "summary": rows,
         "models": models,

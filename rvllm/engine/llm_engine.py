@@ -575,6 +575,12 @@ class LLMEngine:
             if seq.spec_skip > 0:
                 seq.spec_skip -= 1
                 continue
+            if (seq.spec_gain is None and seq.spec_backoff == 0 and self.drafter is not None
+                    and not self.spec_stats.worth_it(self.spec_stats.gain)):
+                # A model's drafts cost a pass each: where they have not paid lately on
+                # the other sequences, a new one waits the longest before it tries.
+                seq.spec_backoff = seq.spec_skip = _MAX_BACKOFF_STEPS
+                continue
             if seq.spec_backoff == 0 and not self.spec_stats.worth_it(seq.spec_gain):
                 # Not paying lately: wait, then one try (a back-off's end) to measure anew.
                 self._back_off(seq)
@@ -795,6 +801,8 @@ class _SpecStats:
         # Averages of a verifying step's and a plain decode step's seconds.
         self.verify_s: float | None = None
         self.decode_s: float | None = None
+        # Tokens per verifying step over every sequence's recent ones.
+        self.gain: float | None = None
 
     def time_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """A step's time, into the average of verifying steps or of plain decode steps
@@ -817,6 +825,7 @@ class _SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        self.gain = _ema(self.gain, 1.0 + accepted, 0.1)
         for pos in range(accepted):
             self.accepted_per_pos[pos] += 1
 
