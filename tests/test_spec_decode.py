@@ -196,9 +196,14 @@ def _proposers(llama_dir) -> dict[str, dict]:
                             "model": str(llama_dir)}}
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+@pytest.mark.parametrize(("method", "mode"), [
+    ("ngram", "recompute"), ("ngram", "swap"), ("self_draft", "recompute"),
+    ("draft_model", "recompute"), ("draft_model", "swap")])
 def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llama_dir,
-                                                                            method):
+                                                                            method, mode):
+    """Greedy, greedy with top logprobs, seeded sampling and a penalty (which does not
+    speculate) side by side, preempted (by recompute, or to swap space), then again from
+    the prefix cache: tokens and logprobs as without speculation, no block left behind."""
     from rvllm import LLM, SamplingParams
 
     prompts = _repetitive_prompts()
@@ -216,18 +221,29 @@ def test_speculation_beside_other_requests_under_preemption_and_prefix_hits(llam
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+                    done[out.request_id] = out.outputs[0]
         return [done[str(i)] for i in range(len(prompts))]
+
+    def check(outputs, expected):
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        # Top logprobs of every committed token, kept drafts' included.
+        got, want = outputs[1].logprobs, expected[1].logprobs
+        assert len(got) == len(want) == 40
+        for g, w in zip(got, want):
+            assert list(g) == list(w)
+            assert [x.logprob for x in g.values()] == pytest.approx(
+                [x.logprob for x in w.values()], abs=1e-4)
 
     roomy = LLM(str(llama_dir))
     expected = run(roomy)
     del roomy
     config = {**_proposers(llama_dir)[method], "disable_by_batch_size": 8}
     tight = LLM(str(llama_dir), speculative_config=config, num_gpu_blocks=14, block_size=8,
-                max_model_len=96, max_num_batched_tokens=48)
-    assert run(tight) == expected  # the sampled, seeded one included
+                max_model_len=96, max_num_batched_tokens=48, preemption_mode=mode,
+                num_cpu_blocks=32 if mode == "swap" else 0)
+    check(run(tight), expected)  # the sampled, seeded one included
     assert tight.engine.scheduler.num_preemptions > 0
-    assert run(tight) == expected  # again, from the prefix cache
+    check(run(tight), expected)  # again, from the prefix cache
     assert tight.engine.spec_stats.num_accepted_tokens > 0
     bm = tight.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

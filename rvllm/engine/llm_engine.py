@@ -516,7 +516,7 @@ class LLMEngine:
                 else:
                     self._append_token(seq, out.token_id, out.logprob, out.top_ids,
                                        out.top_logprobs, now)
-                    self._append_later_tokens(seq, out.later_tokens, now)
+                    self._append_later_tokens(seq, out.later_tokens, now, out.later_tops)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
 
@@ -683,15 +683,18 @@ class LLMEngine:
             raise
 
     def _append_later_tokens(self, seq: Sequence, tokens: tuple[tuple[int, float], ...],
-                             now: float) -> None:
-        """The tokens of a multi-step decode's later steps, each as if its own step had
-        made it; those after the sequence has finished are dropped."""
-        for token, logprob in tokens:
+                             now: float,
+                             tops: tuple[tuple[list[int], list[float]], ...] = ()) -> None:
+        """The tokens of a multi-step decode's later steps (or a verifying step's kept
+        drafts), each as if its own step had made it, with its top logprobs where
+        ``tops`` has them; those after the sequence has finished are dropped."""
+        for i, (token, logprob) in enumerate(tokens):
             if seq.status.is_finished:
                 return
             seq.num_computed_tokens += 1  # the step that made it computed its input
             self.block_manager.cache_full_blocks(seq)
-            self._append_token(seq, token, logprob, None, None, now)
+            top_ids, top_lps = tops[i] if i < len(tops) else (None, None)
+            self._append_token(seq, token, logprob, top_ids, top_lps, now)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float,
                       top_ids: list[int] | None, top_logprobs: list[float] | None,

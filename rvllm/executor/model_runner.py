@@ -26,6 +26,7 @@ from rvllm.layers.sampler import (
     SamplingRow,
     compute_prompt_logprobs,
     plain_greedy,
+    top_logprobs,
     verify_drafts,
 )
 
@@ -49,6 +50,8 @@ class SeqStepOutput:
     # The tokens (and logprobs) of the decode steps after the first, when one step ran
     # several (``SchedulerOutput.num_steps``): the engine appends them in turn.
     later_tokens: tuple[tuple[int, float], ...] = ()
+    # With top logprobs asked: each later token's top ids and logprobs.
+    later_tops: tuple[tuple[list[int], list[float]], ...] = ()
     # Speculative decoding: the drafts this step verified, and how many it kept.
     num_drafts: int = 0
     num_accepted: int = 0
@@ -449,6 +452,10 @@ class ModelRunner:
             out.num_new_tokens = 1
             out.token_id, out.logprob = tokens[0], logprobs[0]
             out.later_tokens = tuple(zip(tokens[1:], logprobs[1:]))
+            if seq.params.logprobs is not None:
+                ids, tops = top_logprobs(logits[first:first + len(tokens)], seq.params.logprobs)
+                out.top_ids, out.top_logprobs = ids[0], tops[0]
+                out.later_tops = tuple(zip(ids[1:], tops[1:]))
             kept = next((i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d),
                         min(len(tokens), len(draft)))
             out.num_drafts, out.num_accepted = len(draft), kept

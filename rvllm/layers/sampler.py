@@ -324,6 +324,13 @@ def _make_output(
     )
 
 
+def top_logprobs(raw: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's top-``k`` token ids and raw logprobs (``raw`` [n, V] logits)."""
+    top_vals, top_ids = raw.float().topk(min(k, raw.shape[1]), dim=-1)
+    lse = raw.float().logsumexp(dim=-1, keepdim=True)
+    return top_ids.tolist(), (top_vals - lse).tolist()
+
+
 def _raw_logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -410,9 +417,8 @@ def _sampling_probs(raw: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence's next tokens may be proposed and verified: nothing may make
     one position's logits depend on the tokens before it beyond the model itself and its
-    grammar (no penalties, logit_bias, min_tokens still due) and no top logprobs are
-    asked."""
-    return (params.logprobs is None and not params.logit_bias and not params.needs_penalties
+    grammar (no penalties, logit_bias, min_tokens still due)."""
+    return (not params.logit_bias and not params.needs_penalties
             and num_output_tokens >= params.min_tokens)
 
 
