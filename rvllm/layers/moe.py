@@ -122,7 +122,7 @@ def route_expert_weights(params: dict[str, nn.Parameter],
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name} has no place in the model")
             param = params[target]
-            for expert, matrix in enumerate(tensor.to(param.dtype)):
+            for expert, matrix in enumerate(tensor):  # the loader's copy_ converts
                 if kind == "down_proj":
                     param.weight_loader(param, matrix, (expert, "w2"))
                 else:
@@ -140,7 +140,7 @@ def route_expert_weights(params: dict[str, nn.Parameter],
         if target not in params:
             raise ValueError(f"checkpoint tensor {name} has no place in the model")
         param = params[target]
-        param.weight_loader(param, tensor.to(param.dtype), (expert, kind))
+        param.weight_loader(param, tensor, (expert, kind))
         loaded.add(target)
 
 

@@ -63,10 +63,19 @@ def _not_loaded(name: str, tied: bool) -> bool:
     return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
 
 
+def skipped_checkpoint_tensor(model: nn.Module, name: str) -> bool:
+    """Whether ``load_params`` leaves out the checkpoint tensor ``name`` of ``model`` (so a
+    loader need not move it to the device)."""
+    return _not_loaded(name, bool(getattr(model, "tied", False)))
+
+
 def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 stacked: StackedParams = QKV_GATE_UP, tied: bool = False) -> set[str]:
     """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, folding the
-    ``stacked`` names into fused projections; returns the names of the parameters filled."""
+    ``stacked`` names into fused projections; returns the names of the parameters filled.
+    Each tensor is copied once, from wherever it is (a view of a memory-mapped file, or
+    the parameter's device) straight into the parameter, converted on the way where its
+    dtype differs: no converted copy of the whole tensor first."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -90,9 +99,9 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                                  f"the model expects {tuple(param.shape)}")
             param.data.copy_(tensor)
         elif shard is None:
-            loader(param, tensor.to(param.dtype))
+            loader(param, tensor)  # its copy_ converts to the parameter's dtype
         else:
-            loader(param, tensor.to(param.dtype), shard)
+            loader(param, tensor, shard)
         loaded.add(target)
     if tied:
         loaded.add("lm_head.weight")

@@ -35,7 +35,10 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors one at a time from memory-mapped files, so peak memory stays at one tensor."""
+    """Tensors one at a time from memory-mapped files, as the files store them (dtype
+    included): each a view of the file's memory map (safetensors' ``get_tensor`` copies
+    nothing), so its bytes are read from the disk (or the page cache) once, by whatever
+    copies them into their parameter."""
     total = 0
     handles = []
     for file in files:
@@ -48,6 +51,73 @@ def iter_safetensors(files: list[Path], progress: bool) -> Iterator[tuple[str, t
             yield name, handle.get_tensor(name)
             bar.update(1)
     bar.close()
+
+
+class DeviceStager:
+    """Host tensors (views of the memory-mapped files) to ``device`` through a ring of
+    staging buffers: each tensor is cut into ``chunk_bytes`` pieces, each piece copied
+    from the map into the next free buffer (where a cold page cache reads the disk) and
+    from there to the device. On a CUDA device the buffers are pinned and the device
+    copies asynchronous on the current stream, so the host's copy of one piece overlaps
+    the DMA of the pieces before it; a buffer is reused once the event recorded after its
+    last DMA has passed. Each tensor arrives whole on the device in the checkpoint's dtype
+    (a temporary of its size); whoever copies it into its parameter converts it there.
+    Elsewhere (the tests) the same pieces go through plain buffers."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int = 64 << 20, depth: int = 4
+                 ) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda)
+                        for _ in range(depth)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(depth)]
+        self.stream = torch.cuda.current_stream(device) if cuda else None
+        self.next = 0
+        self.bytes = 0
+
+    def __call__(self, host: torch.Tensor) -> torch.Tensor:
+        host = host.contiguous()
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        src, dst = host.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8)
+        chunk = self.buffers[0].numel()
+        for start in range(0, src.numel(), chunk):
+            n = min(chunk, src.numel() - start)
+            buffer, event = self.buffers[self.next], self.events[self.next]
+            self.next = (self.next + 1) % len(self.buffers)
+            if event is not None:
+                event.synchronize()  # the last DMA out of this buffer is done
+            buffer[:n].copy_(src[start:start + n])
+            dst[start:start + n].copy_(buffer[:n], non_blocking=event is not None)
+            if event is not None:
+                event.record(self.stream)
+        self.bytes += src.numel()
+        return out
+
+    def finish(self) -> None:
+        """Wait for the last copies (so the load's seconds count them)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def stages_to(device: torch.device) -> bool:
+    """Whether safetensors weights go to ``device`` through a :class:`DeviceStager`: on a
+    CUDA device on one rank. Tensor-parallel ranks take host tensors, so that each copies
+    only its shard to its device (the layers' ``weight_loader`` narrows first)."""
+    from rvllm.distributed import get_tp_size
+
+    return device.type == "cuda" and get_tp_size() == 1
+
+
+def staged(weights: Iterator[tuple[str, object]], stager: DeviceStager,
+           skipped: Callable[[str], bool] = lambda name: False
+           ) -> Iterator[tuple[str, object]]:
+    """``weights`` with every tensor moved by ``stager``; anything else (packed rows), and
+    the tensors the model skips (``skipped(name)``: a tied LM head's copy), as they come."""
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and not skipped(name):
+            tensor = stager(tensor)
+        yield name, tensor
+    stager.finish()
 
 
 def checkpoint_int4_method(model: str) -> str | None:
@@ -121,12 +191,22 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = False
                                          keep_packed=keep),
                        desc="Loading GGUF tensors", unit="tensor", disable=not progress)
     else:
-        weights = iter_safetensors(safetensors_files(Path(config.path)), progress)
+        files = safetensors_files(Path(config.path))
+        weights = iter_safetensors(files, progress)
         from rvllm.models.base import packed_destinations
 
         weights = _int4_weights(weights, config, packed_destinations(model)
                                 if quantization in PACKED_QUANTIZATIONS else None)
+        if stages_to(device):  # a small checkpoint pins no more than its size
+            size = sum(f.stat().st_size for f in files)
+            from rvllm.models.base import skipped_checkpoint_tensor
+
+            weights = staged(weights, DeviceStager(device, min(64 << 20, max(size, 1))),
+                             lambda name: skipped_checkpoint_tensor(model, name))
     loaded = model.load_weights(weights)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the staged tensors' blocks, for the KV cache's sizing
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:
