@@ -1,7 +1,9 @@
 """The JAX backend (``--model-impl jax``) generates exactly what transformers generates in
 float32 under greedy decoding, however the engine batches, chunks, shares prefixes or
-preempts; after its start-up compilation a step compiles nothing; and its step updates the
-paged cache in place."""
+preempts; after its start-up compilation a step compiles nothing; its step updates the
+paged cache in place; and it samples on the device (greedy, temperature, top-k, top-p and
+min-p, a seeded request the same tokens in any batch), leaving whatever else a request
+asks (logprobs, penalties, ...) to the engine's sampler."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
@@ -74,10 +77,19 @@ def test_prefix_cache_hits_match_transformers(llama_jax: LLM, llama_dir: Path) -
     assert all(o.num_cached_tokens == 40 for o in outs)
 
 
-def test_preemption_by_recompute_matches_transformers(llama_dir: Path) -> None:
+def test_preemption_by_recompute_matches_transformers(llama_jax: LLM, llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), num_gpu_blocks=16, **ENGINE)
     assert greedy(llm, make_prompts()) == reference(llama_dir)
     assert llm.engine.scheduler.num_preemptions > 0
+    # Seeded requests sampled on the device draw the same tokens when preempted and
+    # recomputed as each does alone.
+    preemptions = llm.engine.scheduler.num_preemptions
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=NEW_TOKENS,
+                            ignore_eos=True)
+    batch = llm.generate(make_prompts(), params)
+    assert llm.engine.scheduler.num_preemptions > preemptions
+    assert [o.outputs[0].token_ids for o in batch] == [
+        llama_jax.generate([p], params)[0].outputs[0].token_ids for p in make_prompts()]
     assert llm.engine.block_manager.num_free_blocks == 16
 
 
@@ -114,14 +126,15 @@ def test_the_step_updates_the_cache_in_place(llama_dir: Path) -> None:
 
     config = ModelConfig.from_path(str(llama_dir), torch.float32, 128)
     runner = JaxModelRunner(config, SchedulerConfig(4, 32), 8, torch.device("cpu"))
-    # One stack of every layer: [layers, ...] weights, [layers, blocks, block, heads, dim]
-    # keys and values.
-    (stack,) = runner.weights["stacks"]
-    assert stack["qkv"].shape == (2, 64, (4 + 2 + 2) * 16)
+    # One stack of a one-layer pattern repeated over every layer: [layers, ...] weights,
+    # [layers, blocks, block, heads, dim] keys and values.
+    ((layer,),) = runner.weights["stacks"]
+    assert layer["qkv"].shape == (2, 64, (4 + 2 + 2) * 16)
     temps = []
     for num_blocks in (1024, 8192):
         runner.allocate_kv_cache(num_blocks, 2, 16, torch.float32, compile_buckets=False)
-        assert [c["k"].shape for c in runner.caches] == [(2, num_blocks, 8, 2, 16)]
+        assert [[c["k"].shape for c in stack] for stack in runner.caches] == [
+            [(2, num_blocks, 8, 2, 16)]]
         cache_bytes = kv_cache.cache_bytes(runner.caches)
         memory = jitted_step.lower(*runner.step_args(32, 4), spec=runner.spec).compile() \
             .memory_analysis()
@@ -141,10 +154,10 @@ def test_unsupported_combinations_are_refused_at_start_up(llama_dir: Path) -> No
     with pytest.raises(ValueError, match="--speculative-config"):
         LLM(str(llama_dir), num_gpu_blocks=64, **ENGINE,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    gemma = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Gemma3ForCausalLM",
-                        torch.float32, 128)
-    with pytest.raises(ValueError, match="pattern blocks"):
-        check_supported(gemma)
+    gemma2 = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Gemma2ForCausalLM",
+                         torch.float32, 128)
+    with pytest.raises(ValueError, match="runs Llama.*Gemma4ForCausalLM; not Gemma2"):
+        check_supported(gemma2)
     with pytest.raises(ValueError, match="model_impl must be one of"):
         LLM(str(llama_dir), model_impl="flax")
 
@@ -193,3 +206,85 @@ def test_the_server_serves_through_the_jax_backend(llama_jax: LLM, llama_dir: Pa
         server.stop()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected.text
+
+
+def _sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+            min_p: float = 0.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of ``logits`` drawn under one set of parameters, row i with counter i."""
+    from rvllm.jax.model import sample
+
+    rows = logits.shape[0]
+    full = lambda v, dtype: np.full(rows, v, dtype)  # noqa: E731
+    seeds = np.zeros((rows, 2), np.uint32)
+    seeds[:, 0] = seed
+    tokens, logprobs = sample(logits.astype(np.float32), full(temperature, np.float32),
+                              full(top_k, np.int32), full(top_p, np.float32),
+                              full(min_p, np.float32), seeds, np.arange(rows, dtype=np.uint32))
+    return np.asarray(tokens), np.asarray(logprobs)
+
+
+def test_the_device_draws_from_the_filtered_distribution() -> None:
+    probs = np.array([0.1, 0.2, 0.3, 0.4])
+    logits = np.tile(np.log(probs), (4000, 1))
+    log_softmax = np.log(probs)
+
+    def frequencies(**kwargs: float) -> np.ndarray:
+        tokens, logprobs = _sample(logits, **kwargs)
+        np.testing.assert_allclose(logprobs, log_softmax[tokens], rtol=1e-5)
+        return np.bincount(tokens, minlength=4) / len(tokens)
+
+    np.testing.assert_allclose(frequencies(), probs, atol=0.03)
+    # Temperature 0.5 squares the probabilities (renormalised).
+    np.testing.assert_allclose(frequencies(temperature=0.5), probs**2 / (probs**2).sum(),
+                               atol=0.03)
+    np.testing.assert_allclose(frequencies(top_k=2), [0, 0, 3 / 7, 4 / 7], atol=0.03)
+    # top-p 0.6: the fewest ids reaching 0.6 are 0.4 and 0.3.
+    np.testing.assert_allclose(frequencies(top_p=0.6), [0, 0, 3 / 7, 4 / 7], atol=0.03)
+    # min-p 0.6: ids below 0.6 * 0.4 = 0.24 are masked.
+    np.testing.assert_allclose(frequencies(min_p=0.6), [0, 0, 3 / 7, 4 / 7], atol=0.03)
+    assert (frequencies(temperature=0.0) == [0, 0, 0, 1]).all()
+    assert (frequencies(top_k=1) == [0, 0, 0, 1]).all()
+    # A row's draw is its key's: the same seed and counters draw the same tokens.
+    assert (_sample(logits, seed=5)[0] == _sample(logits, seed=5)[0]).all()
+    assert (_sample(logits, seed=5)[0] != _sample(logits, seed=6)[0]).any()
+
+
+def _prompts(lens: tuple[int, ...], seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in lens]
+
+
+def test_greedy_and_seeded_requests_are_sampled_on_the_device(llama_jax: LLM,
+                                                               llama_dir: Path) -> None:
+    runner = llama_jax.engine.runner
+    host_steps = runner.host_sampled_steps
+    prompt, *others = _prompts((12, 5, 30, 9))
+    seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05, seed=11,
+                            max_tokens=10, ignore_eos=True)
+    alone = llama_jax.generate([prompt], seeded)[0].outputs[0].token_ids
+    # The same seeded request beside others (unseeded and greedy) draws the same tokens.
+    batch = llama_jax.generate([prompt, *others], [
+        seeded, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), seeded])
+    assert batch[0].outputs[0].token_ids == alone
+    assert batch[2].outputs[0].token_ids == hf_greedy(llama_dir, [others[1]], 10)[0]
+    # n samples of a seeded request draw from seed + i: they differ.
+    two = llama_jax.generate([prompt], SamplingParams(n=2, temperature=1.0, seed=11,
+                                                      max_tokens=10, ignore_eos=True))
+    first, second = (o.token_ids for o in two[0].outputs)
+    assert first != second
+    assert runner.host_sampled_steps == host_steps and runner.device_sampled_steps > 0
+
+
+def test_what_the_device_does_not_sample_goes_to_the_engines_sampler(llama_jax: LLM) -> None:
+    runner = llama_jax.engine.runner
+    device_steps, host_steps = runner.device_sampled_steps, runner.host_sampled_steps
+    prompt = _prompts((12,))[0]
+    with_logprobs = llama_jax.generate([prompt], SamplingParams(
+        temperature=0, logprobs=2, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert len(with_logprobs.token_ids) == 4 and len(with_logprobs.logprobs) == 4
+    penalised = llama_jax.generate([prompt], SamplingParams(
+        temperature=0.8, repetition_penalty=1.3, seed=1, max_tokens=4, ignore_eos=True))
+    assert len(penalised[0].outputs[0].token_ids) == 4
+    assert runner.host_sampled_steps == host_steps + 8
+    assert runner.device_sampled_steps == device_steps

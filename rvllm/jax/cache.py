@@ -1,7 +1,9 @@
-"""The paged KV cache as JAX arrays: per stack (shape class of layer) one key and one value
-array ``[layers, num_blocks, block_size, kv_heads, head_dim]``, indexed by the block
-manager's block ids unchanged. The step takes the caches as a donated argument and hands
-them back: XLA updates them in place (no copy of the cache per step)."""
+"""The paged KV cache as JAX arrays: per stack, per position of its pattern block, one key
+and one value array ``[repeats, num_blocks, block_size, kv_heads, head_dim]`` (the layers
+of that position, one per repeat of the block), indexed by the block manager's block ids
+unchanged. A Gemma 4 layer that reads an earlier layer's cache has none (an empty dict).
+The step takes the caches as a donated argument and hands them back: XLA updates them in
+place (no copy of the cache per step)."""
 
 from __future__ import annotations
 
@@ -12,26 +14,36 @@ import jax.numpy as jnp
 
 from rvllm.jax.weights import ModelSpec
 
-# One stack's cache: {"k": array, "v": array}.
+# One position's cache: {"k": array, "v": array}; a stack's is a list of them.
 KVCache = dict[str, Any]
 
 
 def allocate(spec: ModelSpec, num_blocks: int, block_size: int, dtype: Any,
-             device: jax.Device) -> list[KVCache]:
+             device: jax.Device) -> list[list[KVCache]]:
     """Zeroed caches for every stack of ``spec`` on ``device``."""
     caches = []
     for stack in spec.stacks:
-        shape = (stack.num_layers, num_blocks, block_size, stack.num_kv_heads, stack.head_dim)
-        caches.append({"k": jnp.zeros(shape, dtype, device=device),
-                       "v": jnp.zeros(shape, dtype, device=device)})
+        positions = []
+        for kind in stack.pattern:
+            if kind.kv_source is not None:
+                positions.append({})
+                continue
+            shape = (stack.repeats, num_blocks, block_size, kind.num_kv_heads, kind.head_dim)
+            positions.append({"k": jnp.zeros(shape, dtype, device=device),
+                              "v": jnp.zeros(shape, dtype, device=device)})
+        caches.append(positions)
     return caches
 
 
-def cache_bytes(caches: list[KVCache]) -> int:
+def _arrays(caches: list[list[KVCache]]) -> list[Any]:
+    return [c[name] for stack in caches for c in stack if c for name in ("k", "v")]
+
+
+def cache_bytes(caches: list[list[KVCache]]) -> int:
     """The bytes of every key and value array."""
-    return sum(c["k"].nbytes + c["v"].nbytes for c in caches)
+    return sum(a.nbytes for a in _arrays(caches))
 
 
-def block_bytes(caches: list[KVCache]) -> int:
+def block_bytes(caches: list[list[KVCache]]) -> int:
     """The bytes of one block id across every stack's keys and values."""
-    return sum(c[name].nbytes // c[name].shape[1] for c in caches for name in ("k", "v"))
+    return sum(a.nbytes // a.shape[1] for a in _arrays(caches))

@@ -1,8 +1,11 @@
 """The JAX backend's model runner: the engine's ``ModelRunner`` interface (``execute``,
 ``allocate_kv_cache``, ...) over the jitted step of ``rvllm.jax.model``. The scheduler,
 block manager, sampler and server are the torch backend's, unchanged: each step's
-scheduled sequences become padded numpy arrays, the step runs on the JAX device, and the
-logits come back through numpy as a torch tensor for the engine's sampler.
+scheduled sequences become padded numpy arrays and the step runs on the JAX device. When
+each sampling row asks for nothing more than greedy, temperature, top-k, top-p, min-p and
+a seed (``device_samples``), the rows are sampled on the device too
+(``rvllm.jax.model.sample``) and only the tokens and their logprobs come back; otherwise
+the logits come back through numpy as a torch tensor for the engine's sampler.
 
 Every step is padded to a bucket: a power of two of tokens (at least
 ``MIN_TOKEN_BUCKET``, at most the first power of two at or above
@@ -23,9 +26,10 @@ import torch
 
 from rvllm.config import ModelConfig, SchedulerConfig
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
-from rvllm.executor.model_runner import ModelRunner, SeqStepOutput, _plan_logits
+from rvllm.engine.sequence import Sequence
+from rvllm.executor.model_runner import ModelRunner, SeqStepOutput, _LogitsPlan, _plan_logits
 from rvllm.jax import cache as kv_cache
-from rvllm.jax.model import compile_count, jitted_step
+from rvllm.jax.model import compile_count, jitted_sample, jitted_step
 from rvllm.jax.weights import DTYPES, load_weights
 
 logger = logging.getLogger("rvllm")
@@ -49,6 +53,17 @@ def bucket(n: int, smallest: int = 1) -> int:
     return max(smallest, 1 << max(0, n - 1).bit_length())
 
 
+def device_samples(seq: Sequence) -> bool:
+    """Whether the step's own sampling (``rvllm.jax.model.sample``) draws this sequence's
+    next token as the engine's sampler would: nothing but greedy, temperature, top-k,
+    top-p, min-p and a seed asked of it (no logprobs, logit bias, penalties, min_tokens
+    still to come, or grammar)."""
+    params = seq.params
+    return (params.logprobs is None and not params.logit_bias and not params.needs_penalties
+            and seq.num_output_tokens >= params.min_tokens
+            and params.structured_outputs is None and seq.grammar is None)
+
+
 def jax_device(device: torch.device) -> jax.Device:
     """The JAX device of the engine's ``--device``: the CPU, or the CUDA GPU of that index."""
     platform = {"cpu": "cpu", "cuda": "gpu"}.get(device.type)
@@ -68,11 +83,14 @@ class JaxModelRunner(ModelRunner):
     shape the engine's limits allow."""
 
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
-                 block_size: int, device: torch.device, progress: bool = False) -> None:
+                 block_size: int, device: torch.device, progress: bool = False,
+                 layout: str = "blocks") -> None:
         super().__init__(None, block_size, device)  # type: ignore[arg-type]  # no torch model
         self.jax_device = jax_device(device)
         start = time.perf_counter()
-        self.spec, self.weights = load_weights(model_config, self.jax_device, progress)
+        # ``layout``: how the layers are scanned (``rvllm.jax.weights.LAYOUTS``).
+        self.spec, self.weights = load_weights(model_config, self.jax_device, progress,
+                                               layout)
         self.load_seconds = time.perf_counter() - start
         self.table_width = -(-model_config.max_model_len // block_size)
         self.token_buckets = power_buckets(MIN_TOKEN_BUCKET,
@@ -83,6 +101,12 @@ class JaxModelRunner(ModelRunner):
         self.compile_seconds = 0.0
         # Process-wide compilation count after the buckets' warm-up (``compile_count``).
         self.compiles_after_warm_up: int | None = None
+        # The keys of unseeded rows' draws.
+        self.rng = np.random.default_rng()
+        # Steps whose tokens were sampled on the device, and those the engine's sampler
+        # sampled from the step's logits.
+        self.device_sampled_steps = 0
+        self.host_sampled_steps = 0
 
     # -- the cache ---------------------------------------------------------------------
 
@@ -133,7 +157,11 @@ class JaxModelRunner(ModelRunner):
         shapes = self.bucket_shapes()
         for tokens, seqs in shapes:
             logits = self._run(*self._padding(tokens, seqs, seqs))
+        for rows in self.seq_buckets:  # the device's sampling of each row count
+            sampled, _ = jitted_sample(np.zeros((rows, self.spec.vocab_size), np.float32),
+                                       *self._sampling_padding(rows))
         logits.block_until_ready()
+        sampled.block_until_ready()
         self.compile_seconds = time.perf_counter() - start
         self.compiles_after_warm_up = compile_count()
         logger.info("JAX step compiled for %d bucket shapes (tokens %s, sequences %s) in "
@@ -151,6 +179,13 @@ class JaxModelRunner(ModelRunner):
                 np.zeros(seqs + 1, np.int32), np.zeros(seqs, np.int32),
                 np.zeros((seqs, self.table_width), np.int32), np.zeros(rows, np.int32))
 
+    @staticmethod
+    def _sampling_padding(rows: int) -> tuple[np.ndarray, ...]:
+        """Greedy rows: temperature, top_k, top_p, min_p, seeds, counters."""
+        return (np.zeros(rows, np.float32), np.zeros(rows, np.int32),
+                np.ones(rows, np.float32), np.zeros(rows, np.float32),
+                np.zeros((rows, 2), np.uint32), np.zeros(rows, np.uint32))
+
     def _run(self, *inputs: np.ndarray) -> jax.Array:
         """One step over the cache (donated, and replaced by the step's updated one)."""
         logits, self.caches = jitted_step(self.weights, self.caches, *inputs, spec=self.spec)
@@ -165,12 +200,46 @@ class JaxModelRunner(ModelRunner):
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         plan = _plan_logits(ordered)
-        logits = self._run(*self._prepare(ordered, plan.rows))
+        on_device = not plan.prompt and not plan.spec and all(
+            device_samples(ordered[i].seq) for i in plan.sampling)
+        inputs = self._prepare(ordered, plan.rows)
+        logits = self._run(*inputs)
         if not plan.rows:
             return self._sample(ordered, plan, None)
+        if on_device:
+            tokens, logprobs = jitted_sample(
+                logits, *self._sampling_inputs(ordered, plan, logits.shape[0]))
+            self.device_sampled_steps += 1
+            outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
+            found = zip(np.asarray(tokens).tolist(), np.asarray(logprobs).tolist())
+            for i, (token_id, logprob) in zip(plan.sampling, found):
+                outputs[i].token_id, outputs[i].logprob = token_id, logprob
+            return outputs
+        self.host_sampled_steps += 1
         host = np.array(logits)[:len(plan.rows)]  # a writable copy, for torch
         with torch.inference_mode():
             return self._sample(ordered, plan, torch.from_numpy(host).to(self.device))
+
+    def _sampling_inputs(self, ordered: list[ScheduledSeq], plan: _LogitsPlan, rows: int
+                         ) -> tuple[np.ndarray, ...]:
+        """The sampling rows' parameters for the step's ``sample``: a seeded sequence's
+        key is its seed (that of its generator: the request's seed plus its index among
+        the request's samples) with its output count, an unseeded one's a fresh draw."""
+        temperature, top_k, top_p, min_p, seeds, counters = self._sampling_padding(rows)
+        for row, i in enumerate(plan.sampling):
+            seq = ordered[i].seq
+            params = seq.params
+            if params.is_greedy:
+                continue
+            temperature[row], top_k[row] = params.temperature, max(params.top_k, 0)
+            top_p[row], min_p[row] = params.top_p, params.min_p
+            if seq.generator is not None:
+                seed = seq.generator.initial_seed()
+                seeds[row] = (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+                counters[row] = seq.num_output_tokens
+            else:
+                seeds[row] = self.rng.integers(0, 2**32, 2, dtype=np.uint32)
+        return temperature, top_k, top_p, min_p, seeds, counters
 
     def _prepare(self, ordered: list[ScheduledSeq], logit_rows: list[int]
                  ) -> tuple[np.ndarray, ...]:

@@ -1,10 +1,19 @@
-"""A checkpoint's weights as stacked JAX arrays: one stack per shape class of layer, each
-array of a stack with the layer as its leading axis, so the step scans over it.
+"""A checkpoint's weights as stacked JAX arrays, laid out for ``lax.scan``.
 
-Llama, Mistral and Qwen2 have one shape class (every layer alike): one stack of all the
-layers. A model with layers of several shapes (Gemma 3/4: sliding and global layers in a
-repeating pattern) would have a stack per class of pattern block; ``ModelSpec.stacks`` is
-a tuple for that reason, and such models are refused until their step is written.
+The layers are grouped into **stacks**, each a **pattern block** of layer kinds repeated
+``repeats`` times: a stack holds one dict of arrays per position in its pattern, each array
+with the repeat as its leading axis, and the step scans over the repeats with a static
+Python loop over the block's positions inside. A position's window and RoPE table are
+compile-time constants of its ``LayerKind``.
+
+- Llama, Mistral and Qwen2: one stack, a pattern of one layer repeated over every layer;
+  each layer's window is an array beside its weights (Qwen2's windows need not repeat).
+- Gemma 3: its sliding and global layers repeat (five sliding, one global in the released
+  models): one stack of whole pattern blocks, then one of the leftover layers after the
+  last whole block, run once.
+- Gemma 4: the same, its global layers with a head size and KV heads of their own; its
+  last ``num_kv_shared_layers`` layers, which read the cache of the last earlier layer of
+  their type and write none, are stacks of their own after the others.
 
 The weights are plain dicts of arrays (a pytree the jitted step takes as an argument, not
 as constants): linear weights stored ``[in, out]`` so a layer is ``x @ w``, q/k/v fused
@@ -24,29 +33,62 @@ import torch
 from rvllm.config import ModelConfig
 from rvllm.layers.rope_frequencies import inv_freq, inv_freq_and_scale
 from rvllm.layers.rotary import rope_parameters
+from rvllm.layers.rotary_scaled import rope_type_of
+from rvllm.models.base import layer_types, layer_window
+from rvllm.models.gemma import layer_rope_parameters
+from rvllm.models.gemma4 import kv_producers, layer_geometry
 from rvllm.models.llama import layer_windows
 from rvllm.models.loader import iter_safetensors, safetensors_files
 
-# The architectures whose every layer has one shape: the step's single stack covers them.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GEMMA_FAMILY = ("Gemma3ForCausalLM", "Gemma4ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY
+
+# How a model's layers are laid out for the step (``model_spec``): "blocks" scans the
+# pattern blocks (the default); "flat" scans every layer as one stack, each layer's window
+# and RoPE table chosen from arrays beside its weights; "unrolled" runs the blocks' layers
+# as a Python loop, no scan (for tests and measurements).
+LAYOUTS = ("blocks", "flat", "unrolled")
 
 # A layer's window when it has none: larger than any context.
 NO_WINDOW = 2**30
 
 DTYPES = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
 
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu", "gelu_new")
+
 
 @dataclass(frozen=True, slots=True)
-class StackSpec:
-    """The shape of every layer of one stack (one shape class)."""
+class LayerKind:
+    """One position of a pattern block: its shapes and attention, static to the step."""
 
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    qkv_bias: bool
-    o_bias: bool
+    # The window: None reads each layer's from its weights ("window"); NO_WINDOW is none.
+    window: int | None
+    # Which RoPE table ("global", "local"); None chooses per layer from its weights
+    # ("local_rope", 0 or 1).
+    rope: str | None
+    # Gemma 4: the (stack, position, repeat) of the earlier layer whose cache this layer
+    # reads instead of writing its own; values taken from the key projection.
+    kv_source: tuple[int, int, int] | None = None
+    k_eq_v: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StackSpec:
+    """A pattern block of layers repeated ``repeats`` times; the stack's layer r * len(
+    pattern) + j is position j of repeat r, from checkpoint layer ``first`` on."""
+
+    first: int
+    repeats: int
+    pattern: tuple[LayerKind, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.repeats * len(self.pattern)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +104,21 @@ class ModelSpec:
     # float32 models compute their matmuls in full float32 (no TF32 on a GPU), as
     # transformers does: the tokens must match it.
     full_precision: bool
+    # "llama", or Gemma's "gemma3" / "gemma4": a norm after attention and around the MLP,
+    # q/k norms, a GeGLU MLP, the embedding scaled by sqrt(hidden); Gemma 3's norms scale
+    # by (1 + w), Gemma 4's by w, with a value norm and per-layer inputs besides.
+    family: str = "llama"
+    per_layer_size: int = 0  # Gemma 4's per-layer input width (0: none)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    unrolled: bool = False
+
+    @property
+    def gemma(self) -> bool:
+        return self.family != "llama"
 
 
 def check_supported(config: ModelConfig) -> None:
@@ -69,15 +126,31 @@ def check_supported(config: ModelConfig) -> None:
     cfg = config.hf_config
     arch = config.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        if arch.startswith("Gemma"):
-            raise ValueError(f"--model-impl jax does not run {arch} yet (its sliding and global "
-                             "layers have to be scanned as pattern blocks); use --model-impl "
-                             "torch.")
         raise ValueError(f"--model-impl jax runs {', '.join(SUPPORTED_ARCHITECTURES)}; not "
                          f"{arch}. Use --model-impl torch.")
     if config.gguf_file is not None:
         raise ValueError("--model-impl jax loads safetensors checkpoints; "
                          f"{config.gguf_file} is a GGUF file. Use --model-impl torch.")
+    if arch in GEMMA_FAMILY:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in _GELU_TANH:
+            raise ValueError(f"--model-impl jax: hidden activation {act!r} is not supported "
+                             "for Gemma (gelu_pytorch_tanh only).")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("--model-impl jax: bidirectional attention is not supported.")
+        if arch == "Gemma4ForCausalLM":
+            if cfg.get("enable_moe_block"):
+                raise ValueError("--model-impl jax does not run Gemma 4's MoE block "
+                                 "(enable_moe_block) yet; use --model-impl torch.")
+            if cfg.get("attention_bias"):
+                raise ValueError("--model-impl jax: Gemma 4 attention biases are not "
+                                 "supported.")
+            for t in set(layer_types(cfg, 6)):
+                rope_type_of({"rope_parameters": _gemma4_rope(cfg, t)})
+            return
+        for t in set(layer_types(cfg, 6)):
+            layer_rope_parameters(cfg, t)  # raises for a rope scaling rvllm does not know
+        return
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"--model-impl jax: hidden_act {act!r} is not supported (silu only).")
@@ -86,33 +159,125 @@ def check_supported(config: ModelConfig) -> None:
     rope_parameters(cfg)  # raises for a rope scaling rvllm does not know
 
 
-def model_spec(config: ModelConfig) -> ModelSpec:
+def _gemma4_rope(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    return (cfg.get("rope_parameters") or {}).get(layer_type, {"rope_type": "default"})
+
+
+def pattern_period(types: list[Any]) -> int:
+    """The shortest block that, repeated, gives ``types`` (its last repeat may be cut)."""
+    n = len(types)
+    return next(p for p in range(1, n + 1) if all(types[i] == types[i - p] for i in range(p, n)))
+
+
+def model_spec(config: ModelConfig, layout: str = "blocks") -> ModelSpec:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
     cfg = config.hf_config
-    heads = config.num_heads
+    n = config.num_layers
+    gemma = config.architecture in GEMMA_FAMILY
+
+    def kind(window: int | None, rope: str | None) -> LayerKind:
+        return LayerKind(config.num_heads, config.num_kv_heads, config.head_dim,
+                         cfg["intermediate_size"], window, rope)
+
+    if config.architecture == "Gemma4ForCausalLM":
+        stacks = _gemma4_stacks(config, layout)
+    elif not gemma or layout == "flat":
+        # One stack of every layer, windows (and Gemma's RoPE tables) read per layer.
+        stacks: tuple[StackSpec, ...] = (StackSpec(0, n, (kind(None, None if gemma
+                                                                else "global"),)),)
+    else:
+        stacks = _pattern_stacks([kind(layer_window(cfg, t) or NO_WINDOW, _rope_name(t))
+                                  for t in layer_types(cfg, 6)], 0)
     model_type = cfg.get("model_type")
     attention_bias = bool(cfg.get("attention_bias", False))
-    stack = StackSpec(
-        num_layers=config.num_layers, num_heads=heads, num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim, intermediate_size=cfg["intermediate_size"],
+    common = dict(
+        hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        stacks=stacks, full_precision=config.dtype == torch.float32,
+        unrolled=layout == "unrolled",
+    )
+    if config.architecture == "Gemma4ForCausalLM":
+        # Scores are not scaled (the q/k norms do it), nor soft-capped.
+        return ModelSpec(**common, tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                         family="gemma4", attn_scale=1.0,
+                         per_layer_size=cfg.get("hidden_size_per_layer_input") or 0,
+                         final_softcap=cfg.get("final_logit_softcapping") or None)
+    if gemma:
+        scalar = cfg.get("query_pre_attn_scalar") or config.head_dim
+        return ModelSpec(**common, tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                         family="gemma3", qkv_bias=attention_bias, o_bias=attention_bias,
+                         attn_scale=float(scalar) ** -0.5,
+                         # transformers' Gemma 3 keeps attn_logit_softcapping in its
+                         # config but never applies it (the released configs have none).
+                         attn_softcap=None,
+                         final_softcap=cfg.get("final_logit_softcapping") or None)
+    return ModelSpec(
+        **common, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
         qkv_bias=attention_bias or model_type == "qwen2",
         o_bias=attention_bias and model_type != "qwen2",
     )
-    return ModelSpec(
-        hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        stacks=(stack,), full_precision=config.dtype == torch.float32,
-    )
 
 
-def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every position up to ``max_model_len`` (float32, [P, head_dim]), as
-    the torch backend's ``layers.rotary`` builds them (YaRN's factor on both)."""
-    head_dim, positions = config.head_dim, config.max_model_len
-    params = rope_parameters(config.hf_config)
+def _rope_name(layer_type: str) -> str:
+    return "local" if layer_type == "sliding_attention" else "global"
+
+
+def _pattern_stacks(kinds: list[LayerKind], first: int) -> tuple[StackSpec, ...]:
+    """Layers ``first``, ``first + 1``, ... of these kinds as a stack of their shortest
+    repeating block, and one of the layers left after its last whole repeat."""
+    if not kinds:
+        return ()
+    n, period = len(kinds), pattern_period(kinds)
+    stacks = (StackSpec(first, n // period, tuple(kinds[:period])),)
+    if n % period:
+        stacks += (StackSpec(first + n - n % period, 1, tuple(kinds[:n % period])),)
+    return stacks
+
+
+def _gemma4_stacks(config: ModelConfig, layout: str) -> tuple[StackSpec, ...]:
+    """Gemma 4's layers before the KV-sharing ones as pattern blocks, then the sharing
+    ones, each kind naming the (stack, position, repeat) of the layer whose cache it
+    reads."""
+    if layout == "flat":
+        raise ValueError("Gemma 4's layers are not all of one shape: no flat layout.")
+    cfg = config.hf_config
+    types = layer_types(cfg, 6)
+    n = len(types)
+    producers = kv_producers(types, cfg.get("num_kv_shared_layers") or 0)
+    first_shared = next((i for i, p in enumerate(producers) if p is not None), n)
+
+    def kind(i: int, kv_source: tuple[int, int, int] | None = None) -> LayerKind:
+        t = types[i]
+        head_dim, kv_heads = layer_geometry(cfg, i, t)
+        inter = cfg["intermediate_size"]
+        if kv_source is not None and cfg.get("use_double_wide_mlp"):
+            inter *= 2
+        return LayerKind(config.num_heads, kv_heads, head_dim, inter,
+                         layer_window(cfg, t) or NO_WINDOW, _rope_name(t), kv_source,
+                         bool(cfg.get("attention_k_eq_v")) and t == "full_attention")
+
+    stacks = _pattern_stacks([kind(i) for i in range(first_shared)], 0)
+
+    def location(layer: int) -> tuple[int, int, int]:
+        for s, stack in enumerate(stacks):
+            if stack.first <= layer < stack.first + stack.num_layers:
+                r, j = divmod(layer - stack.first, len(stack.pattern))
+                return s, j, r
+        raise AssertionError(layer)
+
+    shared = [kind(i, location(producers[i])) for i in range(first_shared, n)]  # type: ignore[arg-type]
+    return stacks + _pattern_stacks(shared, first_shared)
+
+
+def rope_table(head_dim: int, params: dict[str, Any], positions: int,
+               always_scaled: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every position below ``positions`` (float32, [P, head_dim]), as the
+    torch backend's ``layers.rotary`` builds them (YaRN's factor on both), or with
+    ``always_scaled`` as its ``layers.rotary_scaled`` does (Gemma 4's proportional RoPE)."""
     scale = 1.0
-    if params["rope_type"] == "yarn":
+    if params["rope_type"] == "yarn" or always_scaled:
         freqs_inv, scale = inv_freq_and_scale(head_dim, params, positions, positions)
     else:
         freqs_inv = inv_freq(head_dim, params)
@@ -121,12 +286,80 @@ def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return (emb.cos() * scale).numpy(), (emb.sin() * scale).numpy()
 
 
-def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False
-                 ) -> tuple[ModelSpec, dict[str, Any]]:
+def rope_tables(config: ModelConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The model's RoPE tables by name: "global" (every layer of the Llama family, Gemma's
+    global layers) and Gemma's "local" (its sliding layers)."""
+    cfg, positions = config.hf_config, config.max_model_len
+    if config.architecture == "Gemma4ForCausalLM":
+        types = layer_types(cfg, 6)
+        tables = {}
+        for t in set(types):  # each type's head size is its own
+            head_dim = layer_geometry(cfg, types.index(t), t)[0]
+            params = rope_type_of({"rope_parameters": _gemma4_rope(cfg, t)})
+            tables[_rope_name(t)] = rope_table(head_dim, params, positions, always_scaled=True)
+        return tables
+    if config.architecture not in GEMMA_FAMILY:
+        return {"global": rope_table(config.head_dim, rope_parameters(cfg), positions)}
+    return {name: rope_table(config.head_dim, layer_rope_parameters(cfg, t), positions)
+            for name, t in (("global", "full_attention"), ("local", "sliding_attention"))}
+
+
+def _llama_layer(take: Any, p: str, spec: ModelSpec) -> dict[str, np.ndarray]:
+    parts = {
+        "input_norm": take(p + "input_layernorm.weight"),
+        "post_norm": take(p + "post_attention_layernorm.weight"),
+        "qkv": np.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).T,
+        "o": take(p + "self_attn.o_proj.weight").T,
+        "gate_up": np.concatenate([take(p + "mlp.gate_proj.weight"),
+                                   take(p + "mlp.up_proj.weight")]).T,
+        "down": take(p + "mlp.down_proj.weight").T,
+    }
+    if spec.qkv_bias:
+        parts["qkv_bias"] = np.concatenate([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+    if spec.o_bias:
+        parts["o_bias"] = take(p + "self_attn.o_proj.bias")
+    return parts
+
+
+def _gemma_layer(take: Any, p: str, spec: ModelSpec) -> dict[str, np.ndarray]:
+    parts = _llama_layer(take, p, spec)
+    parts["pre_ffn_norm"] = take(p + "pre_feedforward_layernorm.weight")
+    parts["post_ffn_norm"] = take(p + "post_feedforward_layernorm.weight")
+    parts["q_norm"] = take(p + "self_attn.q_norm.weight")
+    parts["k_norm"] = take(p + "self_attn.k_norm.weight")
+    return parts
+
+
+def _gemma4_layer(take: Any, p: str, kind: LayerKind) -> dict[str, np.ndarray]:
+    parts = {
+        "input_norm": take(p + "input_layernorm.weight"),
+        "post_norm": take(p + "post_attention_layernorm.weight"),
+        "pre_ffn_norm": take(p + "pre_feedforward_layernorm.weight"),
+        "post_ffn_norm": take(p + "post_feedforward_layernorm.weight"),
+        "q": take(p + "self_attn.q_proj.weight").T,
+        "q_norm": take(p + "self_attn.q_norm.weight"),
+        "o": take(p + "self_attn.o_proj.weight").T,
+        "gate_up": np.concatenate([take(p + "mlp.gate_proj.weight"),
+                                   take(p + "mlp.up_proj.weight")]).T,
+        "down": take(p + "mlp.down_proj.weight").T,
+        "layer_scalar": take(p + "layer_scalar"),
+    }
+    if kind.kv_source is None:
+        names = "k" if kind.k_eq_v else "kv"
+        parts["kv"] = np.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in names]).T
+        parts["k_norm"] = take(p + "self_attn.k_norm.weight")
+    if p + "per_layer_input_gate.weight" in take.names:
+        parts["ple_gate"] = take(p + "per_layer_input_gate.weight").T
+        parts["ple_proj"] = take(p + "per_layer_projection.weight").T
+        parts["ple_norm"] = take(p + "post_per_layer_input_norm.weight")
+    return parts
+
+
+def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False,
+                 layout: str = "blocks") -> tuple[ModelSpec, dict[str, Any]]:
     """The checkpoint's weights, stacked, on ``device`` in the model's dtype."""
     check_supported(config)
-    spec = model_spec(config)
-    (stack,) = spec.stacks
+    spec = model_spec(config, layout)
     np_dtype = np.dtype(DTYPES[config.dtype])
     flat: dict[str, np.ndarray] = {}
     for name, tensor in iter_safetensors(safetensors_files(Path(config.path)), progress):
@@ -137,36 +370,46 @@ def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False
             raise ValueError(f"{config.path}: the checkpoint has no weight {name!r}.")
         return flat.pop(name)
 
-    layers: dict[str, list[np.ndarray]] = {}
-    for i in range(stack.num_layers):
-        p = f"model.layers.{i}."
-        parts = {
-            "input_norm": take(p + "input_layernorm.weight"),
-            "post_norm": take(p + "post_attention_layernorm.weight"),
-            "qkv": np.concatenate([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).T,
-            "o": take(p + "self_attn.o_proj.weight").T,
-            "gate_up": np.concatenate([take(p + "mlp.gate_proj.weight"),
-                                       take(p + "mlp.up_proj.weight")]).T,
-            "down": take(p + "mlp.down_proj.weight").T,
-        }
-        if stack.qkv_bias:
-            parts["qkv_bias"] = np.concatenate([take(p + f"self_attn.{n}_proj.bias")
-                                                for n in "qkv"])
-        if stack.o_bias:
-            parts["o_bias"] = take(p + "self_attn.o_proj.bias")
-        for key, value in parts.items():
-            layers.setdefault(key, []).append(value)
-    windows = [NO_WINDOW if w is None else w for w in layer_windows(config.hf_config)]
+    take.names = flat  # type: ignore[attr-defined]
+
+    cfg = config.hf_config
+    if spec.gemma:
+        types = layer_types(cfg, 6)
+        windows = [layer_window(cfg, t) for t in types]
+    else:
+        types, windows = [], layer_windows(cfg)
+    read_layer = _gemma_layer if spec.gemma else _llama_layer
     put = lambda a: jax.device_put(a, device)  # noqa: E731
-    stacked = {key: put(np.stack(values)) for key, values in layers.items()}
-    stacked["window"] = put(np.asarray(windows, np.int32))
-    cos, sin = rope_tables(config)
+    stacks = []
+    for stack in spec.stacks:
+        positions = []
+        for j, kind in enumerate(stack.pattern):
+            arrays: dict[str, list[np.ndarray]] = {}
+            for r in range(stack.repeats):
+                i = stack.first + r * len(stack.pattern) + j
+                if spec.family == "gemma4":
+                    parts = _gemma4_layer(take, f"model.layers.{i}.", kind)
+                else:
+                    parts = read_layer(take, f"model.layers.{i}.", spec)
+                if kind.window is None:
+                    parts["window"] = np.int32(NO_WINDOW if windows[i] is None else windows[i])
+                if kind.rope is None:
+                    parts["local_rope"] = np.int32(types[i] == "sliding_attention")
+                for key, value in parts.items():
+                    arrays.setdefault(key, []).append(value)
+            positions.append({key: put(np.stack(values)) for key, values in arrays.items()})
+        stacks.append(positions)
     weights: dict[str, Any] = {
         "embed": put(take("model.embed_tokens.weight")),
         "final_norm": put(take("model.norm.weight")),
-        "rope": {"cos": put(cos), "sin": put(sin)},
-        "stacks": [stacked],
+        "rope": {name: {"cos": put(cos), "sin": put(sin)}
+                 for name, (cos, sin) in rope_tables(config).items()},
+        "stacks": stacks,
     }
+    if spec.per_layer_size:
+        weights["ple_embed"] = put(take("model.embed_tokens_per_layer.weight"))
+        weights["ple_model_proj"] = put(take("model.per_layer_model_projection.weight").T)
+        weights["ple_proj_norm"] = put(take("model.per_layer_projection_norm.weight"))
     if not spec.tied_embeddings:
         weights["lm_head"] = put(take("lm_head.weight"))
     return spec, weights
