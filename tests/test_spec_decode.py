@@ -276,6 +276,8 @@ def test_model_proposers_keep_greedy_output(model_dirs, arch, method, monkeypatc
         return forward(self, chunks, logits)
 
     monkeypatch.setattr(ModelDrafter, "_forward", counted)
+    # A draft model computes each prompt into its cache in passes of this many tokens.
+    monkeypatch.setattr("rvllm.spec_decode.draft.CATCH_UP_TOKENS", 7)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _repetitive_prompts()
     plain = LLM(str(model_dirs[arch]))

@@ -23,6 +23,9 @@ from rvllm.forward_context import AttentionMetadata, add_block_tables, set_forwa
 from rvllm.layers.backend import use_triton
 from rvllm.layers.sampler import apply_grammar_masks_
 
+# The most positions of one sequence a draft model computes into its cache in one pass.
+CATCH_UP_TOKENS = 512
+
 
 def self_draft_model(model: nn.Module, num_layers: int) -> nn.Module:
     """The target ``model``'s first ``num_layers`` decoder layers, its final norm and LM
@@ -80,7 +83,8 @@ class ModelDrafter:
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Compute into the draft's own cache every committed position but the last of
-        each sequence that it lacks, as prefill chunks in one forward pass."""
+        each sequence that it lacks, as prefill chunks: a forward pass takes each
+        sequence's next ``CATCH_UP_TOKENS`` at most."""
         chunks = []
         for seq in seqs:
             last = seq.num_tokens - len(seq.spec_tokens) - 1  # the last committed token
@@ -92,11 +96,14 @@ class ModelDrafter:
             if done < last:
                 chunks.append((seq, done, last - done))
             self._note(seq, done)
-        if chunks:
+        while chunks:
+            now = [(seq, done, min(n, CATCH_UP_TOKENS)) for seq, done, n in chunks]
             with torch.inference_mode():
-                self._forward(chunks, logits=False)
-            for seq, done, n in chunks:
+                self._forward(now, logits=False)
+            for seq, done, n in now:
                 self._note(seq, done + n)
+            chunks = [(seq, done + CATCH_UP_TOKENS, n - CATCH_UP_TOKENS)
+                      for seq, done, n in chunks if n > CATCH_UP_TOKENS]
 
     def _note(self, seq: Sequence, computed: int) -> None:
         if self.own_cache:
