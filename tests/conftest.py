@@ -145,3 +145,10 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                  do_sample=False, pad_token_id=0)
         outs.append(out[0, len(ids):].tolist())
     return outs
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The JAX backend's tests run last (the order is otherwise kept): once JAX's threads
+    run in the test process, a fork there (process engines, workers) could deadlock the
+    child."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0].startswith("tests/test_jax"))
