@@ -90,8 +90,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-impl", choices=["auto", "torch", "jax"], default="auto",
                    help="which implementation runs the model: torch = rvllm's own modules "
                         "(auto); jax = one jitted JAX step over stacked weights and a paged "
-                        "cache of JAX arrays (Llama, Mistral, Qwen2; pip install "
-                        "'rvllm[jax]'), the scheduler, sampler and server unchanged")
+                        "cache of JAX arrays (Llama, Mistral, Qwen2, Gemma 3, dense Gemma 4; "
+                        "pip install 'rvllm[jax]'), the scheduler, sampler and server "
+                        "unchanged")
+    g.add_argument("--jax-platform", choices=["cpu", "gpu", "tpu"], default=None,
+                   help="--model-impl jax's devices (default: --device's, cpu or cuda); tpu "
+                        "on a TPU VM with jax[tpu] (the engine's own tensors stay on the "
+                        "CPU; give --num-gpu-blocks)")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -141,6 +146,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         structured_outputs_config=ns.structured_outputs_config,
         speculative_config=ns.speculative_config,
         model_impl=ns.model_impl,
+        jax_platform=ns.jax_platform,
         show_progress=True,
     )
 

@@ -249,6 +249,8 @@ class SchedulerConfig:
 
 # What --model-impl may name: auto (= torch), torch, jax.
 MODEL_IMPLS = ("auto", "torch", "jax")
+# What --jax-platform may name: the JAX backend's devices.
+JAX_PLATFORMS = ("cpu", "gpu", "tpu")
 
 # Grammar engines structured output may run on; auto = guidance (llguidance).
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
@@ -332,6 +334,9 @@ class EngineArgs:
     # Which implementation runs the model (vLLM's --model-impl): auto and torch = rvllm's
     # torch modules; jax = the JAX backend (rvllm.jax, the optional jax extra).
     model_impl: str = "auto"
+    # The JAX backend's devices: cpu, gpu or tpu; None follows --device (cpu or cuda). On
+    # a TPU VM the engine's own tensors (the sampler's) stay on the CPU.
+    jax_platform: str | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs_config = StructuredOutputsConfig.parse(
@@ -342,6 +347,13 @@ class EngineArgs:
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
                              f"got {self.model_impl!r}.")
+        if self.jax_platform is not None:
+            if self.jax_platform not in JAX_PLATFORMS:
+                raise ValueError(f"jax_platform must be one of {', '.join(JAX_PLATFORMS)}; "
+                                 f"got {self.jax_platform!r}.")
+            if self.model_impl != "jax":
+                raise ValueError("jax_platform is the JAX backend's: give it with "
+                                 "model_impl='jax' (--model-impl jax).")
 
     def resolve_model(self) -> str:
         if self.model:

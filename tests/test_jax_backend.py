@@ -61,6 +61,12 @@ def test_a_single_request_matches_transformers(llama_jax: LLM, llama_dir: Path) 
     assert greedy(llama_jax, make_prompts(2, (20,))) == reference(llama_dir, 2, (20,))
 
 
+def test_the_platform_flag_picks_the_jax_device(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_gpu_blocks=64, **{**ENGINE, "jax_platform": "cpu"})
+    assert llm.engine.runner.jax_device.platform == "cpu"
+    assert greedy(llm, make_prompts(2, (20,))) == reference(llama_dir, 2, (20,))
+
+
 def test_a_mixed_batch_with_chunked_prefill_matches_transformers(llama_jax: LLM,
                                                                  llama_dir: Path) -> None:
     assert greedy(llama_jax, make_prompts()) == reference(llama_dir)
@@ -160,6 +166,15 @@ def test_unsupported_combinations_are_refused_at_start_up(llama_dir: Path) -> No
         check_supported(gemma2)
     with pytest.raises(ValueError, match="model_impl must be one of"):
         LLM(str(llama_dir), model_impl="flax")
+    with pytest.raises(ValueError, match="jax_platform is the JAX backend's"):
+        LLM(str(llama_dir), jax_platform="tpu")
+    with pytest.raises(ValueError, match="jax_platform must be one of"):
+        LLM(str(llama_dir), model_impl="jax", jax_platform="metal")
+    with pytest.raises(ValueError, match="TPU cache sized from the host"):
+        LLM(str(llama_dir), **{**ENGINE, "jax_platform": "tpu"})
+    # This machine's JAX has no TPU backend: said at start-up, naming the install.
+    with pytest.raises(ValueError, match=r"no tpu backend \(.*jax\[tpu\]"):
+        LLM(str(llama_dir), num_gpu_blocks=64, **{**ENGINE, "jax_platform": "tpu"})
 
 
 def test_the_flag_keeps_vllms_name() -> None:
@@ -168,6 +183,8 @@ def test_the_flag_keeps_vllms_name() -> None:
 
     ns = build_parser().parse_args(["serve", "--model-impl", "jax"])
     assert engine_args_from_namespace(ns).model_impl == "jax"
+    ns = build_parser().parse_args(["serve", "--model-impl", "jax", "--jax-platform", "cpu"])
+    assert engine_args_from_namespace(ns).jax_platform == "cpu"
 
 
 IMPORTS = """

@@ -281,6 +281,12 @@ def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dt
         refused.append(f"--device {device.type} (the CPU and CUDA GPUs only)")
     if device.type == "cuda" and args.num_gpu_blocks is None:
         refused.append("a GPU cache sized by profiling (give --num-gpu-blocks)")
+    if args.jax_platform in ("gpu", "tpu") and args.num_gpu_blocks is None:
+        refused.append(f"a {args.jax_platform.upper()} cache sized from the host's memory "
+                       "(give --num-gpu-blocks)")
+    if args.jax_platform == "tpu" and device.type != "cpu":
+        refused.append(f"--jax-platform tpu with --device {device.type} (the engine's own "
+                       "tensors stay on the CPU: --device cpu)")
     if args.tensor_parallel_size > 1:
         refused.append("--tensor-parallel-size above 1")
     if args.speculative_config is not None:
@@ -307,4 +313,4 @@ def start_jax_runner(args: EngineArgs, model_config: ModelConfig,
     from rvllm.jax.runner import JaxModelRunner
 
     return JaxModelRunner(model_config, sched_config, args.block_size, device,
-                          progress=args.show_progress)
+                          progress=args.show_progress, platform=args.jax_platform)

@@ -64,17 +64,19 @@ def device_samples(seq: Sequence) -> bool:
             and params.structured_outputs is None and seq.grammar is None)
 
 
-def jax_device(device: torch.device) -> jax.Device:
-    """The JAX device of the engine's ``--device``: the CPU, or the CUDA GPU of that index."""
-    platform = {"cpu": "cpu", "cuda": "gpu"}.get(device.type)
+def jax_device(device: torch.device, platform: str | None = None) -> jax.Device:
+    """The JAX device to run on: ``platform``'s first (``--jax-platform``: cpu, gpu, tpu),
+    else the one of the engine's ``--device``: the CPU, or the CUDA GPU of that index."""
+    index = 0 if platform is not None else device.index or 0
+    platform = platform or {"cpu": "cpu", "cuda": "gpu"}.get(device.type)
     if platform is None:
-        raise ValueError(f"--model-impl jax runs on the CPU or a CUDA GPU, not {device}.")
+        raise ValueError(f"--model-impl jax runs on the CPU, a GPU or a TPU, not {device}.")
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
-        raise ValueError(f"--model-impl jax on {device}: this JAX has no {platform} backend "
-                         "(for a GPU install jax[cuda12]).") from e
-    return devices[device.index or 0]
+        raise ValueError(f"--model-impl jax on the {platform}: this JAX has no {platform} "
+                         "backend (for a GPU install jax[cuda12], for a TPU jax[tpu]).") from e
+    return devices[index]
 
 
 class JaxModelRunner(ModelRunner):
@@ -84,9 +86,9 @@ class JaxModelRunner(ModelRunner):
 
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  block_size: int, device: torch.device, progress: bool = False,
-                 layout: str = "blocks") -> None:
+                 layout: str = "blocks", platform: str | None = None) -> None:
         super().__init__(None, block_size, device)  # type: ignore[arg-type]  # no torch model
-        self.jax_device = jax_device(device)
+        self.jax_device = jax_device(device, platform)
         start = time.perf_counter()
         # ``layout``: how the layers are scanned (``rvllm.jax.weights.LAYOUTS``).
         self.spec, self.weights = load_weights(model_config, self.jax_device, progress,
