@@ -3,7 +3,8 @@ float32 under greedy decoding, however the engine batches, chunks, shares prefix
 preempts; after its start-up compilation a step compiles nothing; its step updates the
 paged cache in place; and it samples on the device (greedy, temperature, top-k, top-p and
 min-p, a seeded request the same tokens in any batch), leaving whatever else a request
-asks (logprobs, penalties, ...) to the engine's sampler."""
+asks (logprobs, penalties, ...) to the engine's sampler; with ``num_scheduler_steps`` its
+greedy decodes run several steps in one call, making the same tokens."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_after_warm_up_no_step_compiles(llama_jax: LLM, llama_dir: Path) -> None
 def test_the_step_updates_the_cache_in_place(llama_dir: Path) -> None:
     from rvllm.config import ModelConfig, SchedulerConfig
     from rvllm.jax import cache as kv_cache
-    from rvllm.jax.model import jitted_step
+    from rvllm.jax.model import jitted_greedy_steps, jitted_step
     from rvllm.jax.runner import JaxModelRunner
 
     config = ModelConfig.from_path(str(llama_dir), torch.float32, 128)
@@ -146,9 +147,16 @@ def test_the_step_updates_the_cache_in_place(llama_dir: Path) -> None:
             .memory_analysis()
         # The donated cache is the step's output buffer: updated in place, not copied.
         assert memory.alias_size_in_bytes >= cache_bytes
-        temps.append(memory.temp_size_in_bytes)
-    # The step's scratch does not grow with the cache, and is a fraction of it.
-    assert temps[0] == temps[1] and temps[1] < cache_bytes / 10
+        # So too in the multi-step decode's while_loop.
+        loop = jitted_greedy_steps.lower(
+            runner.weights, runner.caches, np.zeros(4, np.int32), np.zeros(4, np.int32),
+            np.zeros((4, runner.table_width), np.int32), np.int32(0), np.int32(1),
+            np.full((4, 8), -1, np.int32), spec=runner.spec, max_steps=4).compile() \
+            .memory_analysis()
+        assert loop.alias_size_in_bytes >= cache_bytes
+        temps.append((memory.temp_size_in_bytes, loop.temp_size_in_bytes))
+    # The scratch does not grow with the cache, and is a fraction of it.
+    assert temps[0] == temps[1] and max(temps[1]) < cache_bytes / 10
 
 
 def test_unsupported_combinations_are_refused_at_start_up(llama_dir: Path) -> None:
@@ -305,3 +313,89 @@ def test_what_the_device_does_not_sample_goes_to_the_engines_sampler(llama_jax: 
     assert len(penalised[0].outputs[0].token_ids) == 4
     assert runner.host_sampled_steps == host_steps + 8
     assert runner.device_sampled_steps == device_steps
+
+
+# --num-scheduler-steps 4: a step of plain greedy decodes runs up to 4 decode steps in one
+# call (a lax.while_loop); the tokens are those of single steps.
+MULTI_STEP = {**ENGINE, "num_scheduler_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def llama_multi_step(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir), num_gpu_blocks=64, **MULTI_STEP)
+
+
+def test_multi_step_greedy_decoding_matches_transformers(llama_multi_step: LLM,
+                                                         llama_dir: Path) -> None:
+    runner = llama_multi_step.engine.runner
+    calls, steps = runner.multi_step_calls, runner.multi_step_steps
+    prompts = make_prompts(lens=PROMPT_LENS[:4])
+    assert greedy(llama_multi_step, prompts) == reference(llama_dir, 1, PROMPT_LENS[:4])
+    # Each request's first token comes from its prefill; the other 11 from 3 calls of up
+    # to 4 steps (4, 4, 3: the last cut at max_tokens).
+    assert runner.multi_step_calls == calls + 3 and runner.multi_step_steps == steps + 11
+    # The whole mixed batch: the long prompts' chunks run beside decodes in single steps.
+    assert greedy(llama_multi_step, make_prompts()) == reference(llama_dir)
+
+
+def test_multi_step_stops_mid_burst_as_single_steps_do(llama_multi_step: LLM, llama_jax: LLM,
+                                                       llama_dir: Path) -> None:
+    runner = llama_multi_step.engine.runner
+    prompts = make_prompts(lens=PROMPT_LENS[:4])
+    expected = reference(llama_dir, 1, PROMPT_LENS[:4])
+    # Stop tokens met at outputs 2, 5 and 6 (inside the bursts of outputs 1-4 and 5-8),
+    # and max_tokens 7 for the last: each sequence ends mid-burst, the others go on.
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                             stop_token_ids=[expected[i][at]])
+              for i, at in enumerate((2, 5, 6))]
+    params.append(SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    multi = [o.outputs[0].token_ids for o in llama_multi_step.generate(prompts, params)]
+    single = [o.outputs[0].token_ids for o in llama_jax.generate(prompts, params)]
+    assert multi == single
+    for i, at in enumerate((2, 5, 6)):
+        first = expected[i].index(expected[i][at])
+        assert multi[i] == expected[i][:first + 1]
+    assert multi[3] == expected[3][:7]
+    # One request alone, its stop token its third output: its one-token prompt is a
+    # decode too, so the first call makes outputs 0-2 and ends at the stop token, every
+    # sequence having stopped, after 3 of its 4 steps.
+    steps = runner.multi_step_steps
+    out = llama_multi_step.generate(prompts[:1], params[0])[0].outputs[0].token_ids
+    assert out == multi[0] and runner.multi_step_steps == steps + 3
+    assert llama_multi_step.engine.block_manager.num_free_blocks == 64
+
+
+def test_a_request_that_is_not_plain_greedy_makes_single_steps(llama_multi_step: LLM,
+                                                               llama_jax: LLM,
+                                                               llama_dir: Path) -> None:
+    runner = llama_multi_step.engine.runner
+    calls, device_steps = runner.multi_step_calls, runner.device_sampled_steps
+    prompts = make_prompts(lens=PROMPT_LENS[:3])
+    greedy_params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=NEW_TOKENS,
+                            ignore_eos=True)
+    params = [greedy_params, seeded, greedy_params]
+    outs = [o.outputs[0].token_ids for o in llama_multi_step.generate(prompts, params)]
+    assert runner.multi_step_calls == calls
+    assert runner.device_sampled_steps == device_steps + NEW_TOKENS
+    expected = reference(llama_dir, 1, PROMPT_LENS[:4])
+    assert outs[0] == expected[0] and outs[2] == expected[2]
+    assert outs[1] == llama_jax.generate(prompts[1:2], seeded)[0].outputs[0].token_ids
+
+
+def test_after_warm_up_multi_step_decoding_compiles_nothing(llama_multi_step: LLM,
+                                                           llama_dir: Path) -> None:
+    from rvllm.jax.model import compile_count, jitted_greedy_steps, jitted_step
+
+    runner = llama_multi_step.engine.runner
+    before = compile_count()
+    cached = jitted_step._cache_size(), jitted_greedy_steps._cache_size()
+    assert cached[1] == len(runner.seq_buckets)
+    calls = runner.multi_step_calls
+    # 1, 2, 3 and 4 sequences decoding together: every sequence bucket.
+    for count in (1, 2, 3, 4):
+        prompts = make_prompts(seed=10 + count, lens=(5, 9, 2, 20)[:count])
+        assert greedy(llama_multi_step, prompts) == hf_greedy(llama_dir, prompts, NEW_TOKENS)
+    assert runner.multi_step_calls > calls
+    assert compile_count() == before
+    assert (jitted_step._cache_size(), jitted_greedy_steps._cache_size()) == cached

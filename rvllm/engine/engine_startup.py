@@ -139,13 +139,13 @@ def resolve_quantization(requested: str | None, model: str, device: torch.device
 
 def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
     """Multi-step decoding runs only in the CPU's compiled decode (numba kernels, one
-    rank): refuse it elsewhere rather than ignore it."""
-    if args.num_scheduler_steps > 1 and (kernel_backend != "numba"
-                                         or args.tensor_parallel_size > 1):
+    rank) and the JAX backend: refuse it elsewhere rather than ignore it."""
+    if args.num_scheduler_steps > 1 and args.model_impl != "jax" and (
+            kernel_backend != "numba" or args.tensor_parallel_size > 1):
         raise ValueError(
             f"num_scheduler_steps={args.num_scheduler_steps} needs the CPU's numba decode "
-            f"path on one rank; this engine runs the {kernel_backend} kernels with "
-            f"tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
+            f"path on one rank, or --model-impl jax; this engine runs the {kernel_backend} "
+            f"kernels with tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
 def check_speculative(args: EngineArgs) -> None:
@@ -291,8 +291,6 @@ def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dt
         refused.append("--tensor-parallel-size above 1")
     if args.speculative_config is not None:
         refused.append("--speculative-config")
-    if args.num_scheduler_steps > 1:
-        refused.append("--num-scheduler-steps above 1")
     if args.num_cpu_blocks or args.preemption_mode == "swap":
         refused.append("swap preemption (--num-cpu-blocks, --preemption-mode swap)")
     if quantization is not None:

@@ -14,6 +14,9 @@ The step's inputs, padded to static buckets by the runner:
 - ``block_tables`` [S, W]: each sequence's block ids (padded with block 0).
 - ``logit_rows`` [R]: which flat rows need logits.
 
+``greedy_steps`` runs several greedy decode steps in one ``lax.while_loop``
+(``--num-scheduler-steps``), each step's argmax tokens the next one's inputs.
+
 ``sample`` (jitted apart, ``jitted_sample``: its compilations depend on the rows alone)
 draws each row's token from the step's logits on the device: the runner fetches the
 tokens alone when that covers the step, and the logits for the engine's sampler
@@ -395,8 +398,59 @@ def step(weights: dict[str, Any], caches: list[list[KVCache]], token_ids: jax.Ar
     return logits, new_caches
 
 
+def greedy_steps(weights: dict[str, Any], caches: list[list[KVCache]], token_ids: jax.Array,
+                 positions: jax.Array, block_tables: jax.Array, num_seqs: jax.Array,
+                 num_steps: jax.Array, stops: jax.Array, *, spec: ModelSpec, max_steps: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, list[list[KVCache]]]:
+    """Up to ``num_steps`` (at most ``max_steps``) greedy decode steps of the first
+    ``num_seqs`` of S sequences in one ``lax.while_loop``, each step a ``step`` of one
+    token a sequence: ``token_ids`` and ``positions`` [S] are the first step's inputs,
+    each step's argmax tokens the next one's, one position further on; each token's cache
+    slot is read from its sequence's block table [S, W], which must cover every step's
+    position. ``stops`` [S, N]: each sequence's stop tokens, padded with -1; the loop
+    ends early once every sequence has made one of its own. Returns each step's tokens
+    and their logprobs [max_steps, S] (the log-softmax of the logits at the token), the
+    steps taken, and the updated caches."""
+    num_rows = token_ids.shape[0]
+    block_size = next(c["k"].shape[2] for stack in caches for c in stack if c)
+    num_blocks = next(c["k"].shape[1] for stack in caches for c in stack if c)
+    rows = jnp.arange(num_rows)
+    real = rows < num_seqs
+    query_start = jnp.minimum(jnp.arange(num_rows + 1), num_seqs).astype(jnp.int32)
+    tokens = jnp.zeros((max_steps, num_rows), jnp.int32)
+    logprobs = jnp.zeros((max_steps, num_rows), jnp.float32)
+
+    def cond(carry: tuple[Any, ...]) -> jax.Array:
+        i, _, _, stopped, *_ = carry
+        return (i < num_steps) & ~jnp.all(stopped)
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, ids, pos, stopped, tokens, logprobs, caches = carry
+        block = jnp.take_along_axis(block_tables, (pos // block_size)[:, None], 1)[:, 0]
+        slots = jnp.where(real, block * block_size + pos % block_size,
+                          num_blocks * block_size)
+        seq_lens = jnp.where(real, pos + 1, 0)
+        logits, caches = step(weights, caches, ids, pos, slots, query_start, seq_lens,
+                              block_tables, rows, spec=spec)
+        found = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1),
+                                      found[:, None], 1)[:, 0]
+        stopped = stopped | jnp.any(stops == found[:, None], axis=1)
+        return (i + 1, found, pos + 1, stopped, tokens.at[i].set(found),
+                logprobs.at[i].set(logprob), caches)
+
+    init = (jnp.int32(0), token_ids.astype(jnp.int32), positions.astype(jnp.int32), ~real,
+            tokens, logprobs, caches)
+    taken, _, _, _, tokens, logprobs, caches = lax.while_loop(cond, body, init)
+    return tokens, logprobs, taken, caches
+
+
 # One jitted step for the process: engines with the same model shapes, cache and buckets
 # share its compilations. The caches are donated: the step updates them in place.
 jitted_step = jax.jit(step, static_argnames=("spec",), donate_argnames=("caches",))
+# The multi-step greedy decode: one compilation per sequence bucket and stop-token width
+# for the engine's number of steps.
+jitted_greedy_steps = jax.jit(greedy_steps, static_argnames=("spec", "max_steps"),
+                              donate_argnames=("caches",))
 # The device's sampling, apart from the step: it compiles once per number of rows.
 jitted_sample = jax.jit(sample)

@@ -5,7 +5,9 @@ scheduled sequences become padded numpy arrays and the step runs on the JAX devi
 each sampling row asks for nothing more than greedy, temperature, top-k, top-p, min-p and
 a seed (``device_samples``), the rows are sampled on the device too
 (``rvllm.jax.model.sample``) and only the tokens and their logprobs come back; otherwise
-the logits come back through numpy as a torch tensor for the engine's sampler.
+the logits come back through numpy as a torch tensor for the engine's sampler. A step
+the scheduler lets run several decode steps ahead (``--num-scheduler-steps``), of plain
+greedy decodes alone, runs them in one call (``rvllm.jax.model.greedy_steps``).
 
 Every step is padded to a bucket: a power of two of tokens (at least
 ``MIN_TOKEN_BUCKET``, at most the first power of two at or above
@@ -29,8 +31,9 @@ from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rvllm.engine.sequence import Sequence
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput, _LogitsPlan, _plan_logits
 from rvllm.jax import cache as kv_cache
-from rvllm.jax.model import compile_count, jitted_sample, jitted_step
+from rvllm.jax.model import compile_count, jitted_greedy_steps, jitted_sample, jitted_step
 from rvllm.jax.weights import DTYPES, load_weights
+from rvllm.layers.sampler import plain_greedy
 
 logger = logging.getLogger("rvllm")
 
@@ -38,6 +41,10 @@ logger = logging.getLogger("rvllm")
 # per sequence) below it is padded to its sequence bucket instead: one decoding sequence
 # runs a one-token step.
 MIN_TOKEN_BUCKET = 8
+# The width the multi-step decode's stop tokens are padded to (with -1): a step whose
+# sequences have more stop tokens each pads to the next power of two, compiled when first
+# met.
+STOP_TOKEN_WIDTH = 8
 
 
 def power_buckets(smallest: int, largest: int) -> list[int]:
@@ -98,6 +105,8 @@ class JaxModelRunner(ModelRunner):
         self.token_buckets = power_buckets(MIN_TOKEN_BUCKET,
                                            scheduler_config.max_num_batched_tokens)
         self.seq_buckets = power_buckets(1, scheduler_config.max_num_seqs)
+        # Greedy decode steps one call may run (``--num-scheduler-steps``).
+        self.max_steps = scheduler_config.num_scheduler_steps
         self.caches: list[kv_cache.KVCache] | None = None
         self.num_blocks = 0
         self.compile_seconds = 0.0
@@ -109,6 +118,9 @@ class JaxModelRunner(ModelRunner):
         # sampled from the step's logits.
         self.device_sampled_steps = 0
         self.host_sampled_steps = 0
+        # Calls of the multi-step greedy decode, and the decode steps they ran.
+        self.multi_step_calls = 0
+        self.multi_step_steps = 0
 
     # -- the cache ---------------------------------------------------------------------
 
@@ -162,6 +174,10 @@ class JaxModelRunner(ModelRunner):
         for rows in self.seq_buckets:  # the device's sampling of each row count
             sampled, _ = jitted_sample(np.zeros((rows, self.spec.vocab_size), np.float32),
                                        *self._sampling_padding(rows))
+            if self.max_steps > 1:  # the multi-step decode, of padding alone: no step runs
+                self._run_greedy_steps(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                                       np.zeros((rows, self.table_width), np.int32), 0, 1,
+                                       np.full((rows, STOP_TOKEN_WIDTH), -1, np.int32))
         logits.block_until_ready()
         sampled.block_until_ready()
         self.compile_seconds = time.perf_counter() - start
@@ -188,6 +204,17 @@ class JaxModelRunner(ModelRunner):
                 np.ones(rows, np.float32), np.zeros(rows, np.float32),
                 np.zeros((rows, 2), np.uint32), np.zeros(rows, np.uint32))
 
+    def _run_greedy_steps(self, ids: np.ndarray, pos: np.ndarray, tables: np.ndarray,
+                          num_seqs: int, num_steps: int, stops: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """The multi-step greedy decode (``rvllm.jax.model.greedy_steps``) over the cache
+        (donated, and replaced): the tokens and logprobs [steps taken, S]."""
+        tokens, logprobs, taken, self.caches = jitted_greedy_steps(
+            self.weights, self.caches, ids, pos, tables, np.int32(num_seqs),
+            np.int32(num_steps), stops, spec=self.spec, max_steps=self.max_steps)
+        taken = int(taken)
+        return np.asarray(tokens)[:taken], np.asarray(logprobs)[:taken]
+
     def _run(self, *inputs: np.ndarray) -> jax.Array:
         """One step over the cache (donated, and replaced by the step's updated one)."""
         logits, self.caches = jitted_step(self.weights, self.caches, *inputs, spec=self.spec)
@@ -202,6 +229,10 @@ class JaxModelRunner(ModelRunner):
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         plan = _plan_logits(ordered)
+        if (sched.num_steps > 1 and not prefills and not plan.prompt and not plan.spec
+                and plan.rows == list(range(len(decodes)))
+                and all(plain_greedy(s.seq.params, s.seq.num_output_tokens) for s in decodes)):
+            return self._greedy_steps(decodes, sched.num_steps)
         on_device = not plan.prompt and not plan.spec and all(
             device_samples(ordered[i].seq) for i in plan.sampling)
         inputs = self._prepare(ordered, plan.rows)
@@ -221,6 +252,39 @@ class JaxModelRunner(ModelRunner):
         host = np.array(logits)[:len(plan.rows)]  # a writable copy, for torch
         with torch.inference_mode():
             return self._sample(ordered, plan, torch.from_numpy(host).to(self.device))
+
+    def _greedy_steps(self, decodes: list[ScheduledSeq], num_steps: int
+                      ) -> list[SeqStepOutput]:
+        """Up to ``num_steps`` decode steps of plain greedy sequences in one call, each
+        step's tokens the next one's input; the call stops early once every sequence has
+        made one of its stop tokens (EOS or ``stop_token_ids``). Each output has the first
+        step's token, and ``later_tokens`` the rest: the engine drops those after a
+        sequence finishes. The scheduler gave each sequence the blocks of every step."""
+        width, count = self.table_width, len(decodes)
+        seqs = bucket(count)
+        stop_sets = [s.seq.params.eos_token_ids.union(s.seq.params.stop_token_ids)
+                     for s in decodes]
+        stops = np.full((seqs, bucket(max(map(len, stop_sets)), STOP_TOKEN_WIDTH)), -1,
+                        np.int32)
+        ids, pos = np.zeros(seqs, np.int32), np.zeros(seqs, np.int32)
+        tables = np.zeros((seqs, width), np.int32)
+        for i, (s, stop) in enumerate(zip(decodes, stop_sets)):
+            seq = s.seq
+            ctx = seq.num_computed_tokens
+            table = seq.block_table[:width]
+            ids[i], pos[i] = seq.token_ids[ctx], ctx
+            tables[i, :len(table)] = table
+            stops[i, :len(stop)] = sorted(stop)
+        tokens, logprobs = self._run_greedy_steps(ids, pos, tables, count, num_steps, stops)
+        self.multi_step_calls += 1
+        self.multi_step_steps += len(tokens)
+        outputs = []
+        for i, s in enumerate(decodes):
+            out = SeqStepOutput(s.seq, 1, int(tokens[0, i]), float(logprobs[0, i]))
+            out.later_tokens = tuple((int(t), float(lp)) for t, lp in
+                                     zip(tokens[1:, i], logprobs[1:, i]))
+            outputs.append(out)
+        return outputs
 
     def _sampling_inputs(self, ordered: list[ScheduledSeq], plan: _LogitsPlan, rows: int
                          ) -> tuple[np.ndarray, ...]:
