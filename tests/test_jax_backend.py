@@ -60,6 +60,8 @@ def llama_jax(llama_dir: Path) -> LLM:
 
 def test_a_single_request_matches_transformers(llama_jax: LLM, llama_dir: Path) -> None:
     assert greedy(llama_jax, make_prompts(2, (20,))) == reference(llama_dir, 2, (20,))
+    # The weights are held once, by the JAX runner: no torch model beside them.
+    assert not list(llama_jax.engine.model.parameters())
 
 
 def test_the_platform_flag_picks_the_jax_device(llama_dir: Path) -> None:

@@ -304,6 +304,14 @@ def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dt
                          + " yet. Run without them, or with --model-impl torch.")
 
 
+class NoTorchModel(torch.nn.Module):
+    """Where the engine keeps its torch model, under ``--model-impl jax``: nothing (the
+    JAX runner holds the weights, so they are not loaded twice)."""
+
+    linear_backend = "jax"
+    load_seconds = 0.0
+
+
 def start_jax_runner(args: EngineArgs, model_config: ModelConfig,
                      sched_config: SchedulerConfig, device: torch.device):  # noqa: ANN201
     """The JAX backend's model runner (``rvllm.jax.runner.JaxModelRunner``), once

@@ -23,6 +23,7 @@ from rvllm.config import (
 )
 from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.engine_startup import (
+    NoTorchModel,
     check_jax_backend,
     check_scheduler_steps,
     check_speculative,
@@ -143,11 +144,16 @@ class LLMEngine:
             # fbgemm's packing of the linear weights (--quantization) goes on on threads
             # outside the GIL while the tokenizer loads: SmolLM2 int8's engine start
             # 1.9-2.6 s before, 1.9-2.2 s after.
-            self.model = load_model(self.model_config, self.device,
-                                    progress=args.show_progress, load_format=args.load_format,
-                                    cpu_linear_backend=args.cpu_linear_backend,
-                                    quantization=self.quantization, wait_packing=False,
-                                    defer_reorders=args.defer_weight_packing)
+            if args.model_impl == "jax":
+                # The JAX runner reads the checkpoint into arrays of its own.
+                self.model = NoTorchModel()
+            else:
+                self.model = load_model(self.model_config, self.device,
+                                        progress=args.show_progress,
+                                        load_format=args.load_format,
+                                        cpu_linear_backend=args.cpu_linear_backend,
+                                        quantization=self.quantization, wait_packing=False,
+                                        defer_reorders=args.defer_weight_packing)
             if not args.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(self.model_config.path,
                                                 self.model_config.gguf_file, args.tokenizer,
@@ -158,6 +164,7 @@ class LLMEngine:
             if args.model_impl == "jax":  # the JAX backend: its own runner, all else as is
                 self.runner = start_jax_runner(args, self.model_config, self.scheduler_config,
                                                self.device)
+                self.model.load_seconds = self.runner.load_seconds
             else:
                 self.runner = ModelRunner(self.model, args.block_size, self.device)
             self.startup_phases["load"] = self.model.load_seconds
