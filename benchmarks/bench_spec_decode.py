@@ -104,19 +104,6 @@ CHAT_QUESTIONS = [
 ]
 
 
-def lscpu() -> dict[str, Any]:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return {"model_name": fields.get("Model name"), "cpus": fields.get("CPU(s)"),
-            "threads_per_core": fields.get("Thread(s) per core"),
-            "cores_per_socket": fields.get("Core(s) per socket"),
-            "flags_avx512f": "avx512f" in fields.get("Flags", "")}
-
-
 def code_state() -> dict[str, Any]:
     """The commit and the files changed since it (read-only git): the engine may be
     edited between runs."""
@@ -429,7 +416,7 @@ def main() -> int:
     ns = parser.parse_args()
     ns.ns = [int(x) for x in ns.ns.split(",")]
 
-    from rvllm.bench.report import format_table, machine_info, write_json
+    from rvllm.bench.report import format_table, lscpu, machine_info, write_json
 
     command = "python " + shlex.join(sys.argv)
     code = code_state()  # before the engine's modules load

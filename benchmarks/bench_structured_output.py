@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,18 +55,6 @@ def person_prompts(count: int) -> list[str]:
         prompts.append(f"Write a JSON profile record for {name}, a {20 + i}-year-old {job} "
                        f"living in {city}. Include a rating and a few tags.")
     return prompts
-
-
-def lscpu() -> dict[str, Any]:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return {"model_name": fields.get("Model name"), "cpus": fields.get("CPU(s)"),
-            "threads_per_core": fields.get("Thread(s) per core"),
-            "cores_per_socket": fields.get("Core(s) per socket")}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -279,7 +266,7 @@ def main() -> int:
     parser.add_argument("--json", default=str(OUT), metavar="PATH")
     ns = parser.parse_args()
 
-    from rvllm.bench.report import format_table, machine_info, write_json
+    from rvllm.bench.report import format_table, lscpu, machine_info, write_json
     from rvllm.bench.serve import bench_json_schema
 
     command = "python " + shlex.join(sys.argv)

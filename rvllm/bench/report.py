@@ -38,6 +38,23 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def lscpu() -> dict[str, Any]:
+    """The CPU as ``lscpu`` describes it (empty where there is no lscpu): model, CPUs,
+    threads per core, cores per socket, and whether it has AVX-512."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return {"model_name": fields.get("Model name"), "cpus": fields.get("CPU(s)"),
+            "threads_per_core": fields.get("Thread(s) per core"),
+            "cores_per_socket": fields.get("Core(s) per socket"),
+            "flags_avx512f": "avx512f" in fields.get("Flags", "")}
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -170,10 +170,6 @@ class OutputDecoder:
         self._last.pop(request_id, None)
 
 
-def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    return snapshot_of(engine)
-
-
 def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
     """The child's loop: take what came in, step, answer. Returns when the parent hangs
     up (EOFError) or after a fatal step error."""
@@ -188,12 +184,12 @@ def serve(engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
             messages.append(requests.recv())
         if messages:
             reply = _take(engine, encoder, messages)
-            reply.snapshot = engine_snapshot(engine)
+            reply.snapshot = snapshot_of(engine)
             outputs.send(("reply", reply))  # accept before the step, as AsyncEngine does
         if not engine.has_unfinished_requests():
             continue
         reply, fatal = _step(engine, encoder)
-        reply.snapshot = engine_snapshot(engine)
+        reply.snapshot = snapshot_of(engine)
         outputs.send(("reply", reply))
         if fatal is not None:
             outputs.send(("fatal", fatal))
@@ -275,7 +271,7 @@ def child_main(args: EngineArgs, requests: Connection, outputs: Connection,
         config = engine.model_config
         info = EngineInfo(config.path, config.max_model_len, config.vocab_size,
                           engine.settings())
-        outputs.send(("ready", (info, engine_snapshot(engine))))
+        outputs.send(("ready", (info, snapshot_of(engine))))
         serve(engine, requests, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone or has hung up: nobody to serve
