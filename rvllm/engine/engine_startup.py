@@ -79,9 +79,10 @@ def select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
 
 def resolve_quantization(requested: str | None, model: str, device: torch.device,
                          dtype: torch.dtype, tensor_parallel_size: int = 1,
-                         load_format: str = "auto") -> str | None:
+                         load_format: str = "auto", model_impl: str = "auto") -> str | None:
     """``--quantization`` as the engine runs it. Unset: a GGUF file whose linear weights
-    are quantized runs on them packed (``gguf``) on the CPU in float32 on one rank, and
+    are quantized runs on them packed (``gguf``) on the CPU in float32 on one rank (the
+    torch modules' path: under ``--model-impl jax`` the file loads dequantized), and
     an int4 checkpoint (AWQ, GPTQ, compressed-tensors) as its config says; anything
     else in the checkpoint's own dtype. ``none``: every weight widened to the compute
     dtype. Raises ``ValueError`` for a choice this model or machine cannot run."""
@@ -105,7 +106,7 @@ def resolve_quantization(requested: str | None, model: str, device: torch.device
                            int4_method, str(dtype).removeprefix("torch."))
             return None
         if gguf is not None and on_cpu_f32 and tensor_parallel_size == 1 \
-                and gguf_has_packed_weights(gguf):
+                and model_impl != "jax" and gguf_has_packed_weights(gguf):
             return "gguf"
         return None
     if requested == "gguf" and gguf is None:

@@ -107,7 +107,8 @@ class LLMEngine:
         # What --quantization runs as (a quantized GGUF file: its blocks, packed).
         self.quantization = resolve_quantization(args.quantization, args.resolve_model(),
                                                  self.device, dtype,
-                                                 args.tensor_parallel_size, args.load_format)
+                                                 args.tensor_parallel_size, args.load_format,
+                                                 args.model_impl)
         self.kernel_backend, warming = select_kernels(
             args.kernel_backend, self.device, dtype, kv_dtype, self.quantization == "int8",
             args.num_scheduler_steps > 1, self.quantization in PACKED_QUANTIZATIONS,

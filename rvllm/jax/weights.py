@@ -21,6 +21,7 @@ into one matrix, gate and up into another."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,18 @@ from rvllm.layers.rotary_scaled import rope_type_of
 from rvllm.models.base import layer_types, layer_window
 from rvllm.models.gemma import layer_rope_parameters
 from rvllm.models.gemma4 import kv_producers, layer_geometry
+from rvllm.models.gguf_loader import ARCHITECTURES as GGUF_LOADER_ARCHITECTURES
+from rvllm.models.gguf_loader import iter_gguf_tensors
 from rvllm.models.llama import layer_windows
 from rvllm.models.loader import iter_safetensors, safetensors_files
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GEMMA_FAMILY = ("Gemma3ForCausalLM", "Gemma4ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY
+# Those of them a GGUF file can hold: the ones the GGUF loader reads (a Mistral file is
+# stored as llama, so loads as Llama; there is no Gemma 4 GGUF architecture there).
+GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES
+                           if a in GGUF_LOADER_ARCHITECTURES.values())
 
 # How a model's layers are laid out for the step (``model_spec``): "blocks" scans the
 # pattern blocks (the default); "flat" scans every layer as one stack, each layer's window
@@ -128,9 +135,9 @@ def check_supported(config: ModelConfig) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"--model-impl jax runs {', '.join(SUPPORTED_ARCHITECTURES)}; not "
                          f"{arch}. Use --model-impl torch.")
-    if config.gguf_file is not None:
-        raise ValueError("--model-impl jax loads safetensors checkpoints; "
-                         f"{config.gguf_file} is a GGUF file. Use --model-impl torch.")
+    if config.gguf_file is not None and arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"--model-impl jax loads {', '.join(GGUF_ARCHITECTURES)} from GGUF "
+                         f"files; {config.gguf_file} holds {arch}. Use --model-impl torch.")
     if arch in GEMMA_FAMILY:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in _GELU_TANH:
@@ -355,14 +362,28 @@ def _gemma4_layer(take: Any, p: str, kind: LayerKind) -> dict[str, np.ndarray]:
     return parts
 
 
+def checkpoint_tensors(config: ModelConfig, progress: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint by its Hugging Face name, so one loader serves both
+    kinds of file: a safetensors checkpoint's as stored, a GGUF file's dequantized to
+    float32 with what llama.cpp's converter changed undone (the Llama q/k row order,
+    Gemma's norm + 1). A GGUF file's quantized weights are never kept packed here: the
+    JAX step computes on plain arrays in the model's dtype."""
+    if config.gguf_file is not None:
+        # Without keep_packed every weight comes back a torch tensor, none as its blocks.
+        return iter_gguf_tensors(config.gguf_file, torch.float32)  # type: ignore[return-value]
+    return iter_safetensors(safetensors_files(Path(config.path)), progress)
+
+
 def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False,
                  layout: str = "blocks") -> tuple[ModelSpec, dict[str, Any]]:
-    """The checkpoint's weights, stacked, on ``device`` in the model's dtype."""
+    """The checkpoint's weights (safetensors or a GGUF file), stacked, on ``device`` in the
+    model's dtype."""
     check_supported(config)
     spec = model_spec(config, layout)
     np_dtype = np.dtype(DTYPES[config.dtype])
     flat: dict[str, np.ndarray] = {}
-    for name, tensor in iter_safetensors(safetensors_files(Path(config.path)), progress):
+    for name, tensor in checkpoint_tensors(config, progress):
         flat[name] = tensor.to(torch.float32).numpy().astype(np_dtype)
 
     def take(name: str) -> np.ndarray:
