@@ -138,6 +138,41 @@ def test_numba_decode_attention_at_any_split_count_matches_each_sequence_written
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("head_dim, window", [(32, 0), (8, 0), (32, 31)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_numba_decode_attention_of_one_sequences_consecutive_rows_matches_each_row_written_out(
+        num_splits: int, head_dim: int, window: int, kv_dtype: torch.dtype) -> None:
+    # A verifying step's rows: a speculating sequence's last token and drafts at
+    # consecutive positions over one block table, each row seeing only the positions up
+    # to its own. Rows 0-3: one sequence across a block boundary; rows 4-5 share its
+    # first block (a prefix hit) but not the rest; row 6 alone; rows 7-8 another
+    # sequence.
+    import numpy as np
+
+    from rvllm.kernels.cpu.decode_attention import paged_decode_attention_cpu
+
+    bs = 16
+    a, b, c, d = [5, 9, 2, 7], [5, 3, 11, 12], [4], [0, 1]
+    rows = [(a, 30), (a, 31), (a, 32), (a, 33), (b, 34), (b, 35), (c, 10), (d, 20), (d, 21)]
+    tables = np.zeros((len(rows), 4), np.int64)
+    for i, (blocks, _) in enumerate(rows):
+        tables[i, :len(blocks)] = blocks
+    lens = np.array([n for _, n in rows], np.int64)
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 13, bs, 2, head_dim, generator=gen).to(kv_dtype)
+    q = torch.randn(len(rows), 6, head_dim, generator=gen)
+    got = paged_decode_attention_cpu(
+        q, cache[0], cache[1], torch.from_numpy(tables), torch.from_numpy(lens),
+        head_dim**-0.5, window, None, arrays=(tables, lens, np.int64(num_splits)))
+    keys, values = (cache[i].float().view(-1, 2, head_dim) for i in (0, 1))
+    for i, (blocks, n) in enumerate(rows):
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+        want = reference_decode(q[i], keys, values, slots, n, head_dim**-0.5, window or None,
+                                None)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 5])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_numba_decode_attention_shares_items_out_once_each_and_evenly(
