@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="greedy decode steps one engine step may run in one compiled call "
                         "(CPU, numba kernels; tokens then stream in bursts this long)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule each step and build its inputs while the step before it "
+                        "runs, and detokenize behind it (off by default)")
     g.add_argument("--seed", type=int, default=0, help="seed of the default generator")
     g.add_argument("--num-cpu-blocks", type=int, default=0,
                    help="CPU swap space in KV blocks (preempted requests swap out to it)")
@@ -130,6 +133,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         enable_chunked_prefill=ns.enable_chunked_prefill,
         num_scheduler_steps=ns.num_scheduler_steps,
+        async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         chat_template=ns.chat_template,
         num_cpu_blocks=ns.num_cpu_blocks,

@@ -306,6 +306,8 @@ class EngineArgs:
     # Greedy decode steps one engine step may run in one compiled call (CPU, numba
     # kernels): the engine's Python once per this many tokens (kernels.cpu.decode_steps).
     num_scheduler_steps: int = 1
+    # Schedule step t + 1 while step t runs, on a thread of its own (engine.async_steps).
+    async_scheduling: bool = False
     seed: int = 0
     chat_template: str | None = None
     show_progress: bool = False

@@ -126,10 +126,12 @@ class BlockManager:
         seq.block_hashes = []
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that the last step filled completely."""
+        """Register the blocks that the last step filled completely: computed, and every
+        token known (with a step in flight, ``engine.async_steps``, the computed count
+        runs ahead of the tokens taken)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -149,6 +149,25 @@ def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
             f"kernels with tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
+def check_async_scheduling(args: EngineArgs) -> None:
+    """What ``--async-scheduling`` does not overlap, refused at start-up rather than run
+    without it: speculative decoding and multi-step decoding (their steps propose from,
+    or run past, the tokens the host has yet to take), tensor parallelism (its workers
+    follow rank 0's steps in order), and the JAX backend (its own runner)."""
+    if not args.async_scheduling:
+        return
+    clashes = [name for name, on in (
+        ("--speculative-config", args.speculative_config is not None),
+        (f"--num-scheduler-steps {args.num_scheduler_steps}", args.num_scheduler_steps > 1),
+        (f"--tensor-parallel-size {args.tensor_parallel_size}",
+         args.tensor_parallel_size > 1),
+        ("--model-impl jax", args.model_impl == "jax"),
+    ) if on]
+    if clashes:
+        raise ValueError(f"--async-scheduling does not run with {', '.join(clashes)}; "
+                         "drop one of them.")
+
+
 def check_speculative(args: EngineArgs) -> None:
     """What speculative decoding cannot run with, refused at start-up: a model-based
     proposer (draft model, self-draft) runs on one rank only."""

@@ -21,9 +21,16 @@ from rvllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from rvllm.engine.async_steps import (
+    PLACEHOLDER,
+    StepInFlight,
+    StepWorker,
+    strip_placeholders,
+)
 from rvllm.engine.block_manager import BlockManager
 from rvllm.engine.engine_startup import (
     NoTorchModel,
+    check_async_scheduling,
     check_jax_backend,
     check_scheduler_steps,
     check_speculative,
@@ -115,6 +122,7 @@ class LLMEngine:
             self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
+        check_async_scheduling(args)
         if args.model_impl == "jax":  # before the weights load
             check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
@@ -228,6 +236,11 @@ class LLMEngine:
         self.idle = IdleWork(self.model, self.runner, self.block_manager,
                              self.runner.kv_cache_block_bytes()
                              if self.device.type == "cpu" and self.tp_group is None else 0)
+        # --async-scheduling: the model's steps on a thread of their own, one in flight
+        # while this thread schedules the next (engine.async_steps).
+        self.step_worker = StepWorker(self.runner) if args.async_scheduling else None
+        self._in_flight: StepInFlight | None = None
+        self._held_outputs: list[RequestOutput] = []
         self.startup_seconds = time.perf_counter() - start
         linear = self.model.linear_backend
         if self.kernel_backend == "numba" and linear in ("onednn", "int8"):
@@ -260,6 +273,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
             "speculative": (None if spec is None
                             else f"{spec.method}, {spec.num_speculative_tokens} tokens"),
+            "async_scheduling": self.step_worker is not None,
         }
 
     def _use_cuda_graphs(self) -> bool:
@@ -448,6 +462,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any. The engine cannot step afterwards."""
         self.structured_outputs.shutdown()
+        if self.step_worker is not None:
+            self.step_worker.shutdown()
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -470,11 +486,30 @@ class LLMEngine:
 
     def idle_work(self, seconds: float = 0.02) -> None:
         """About ``seconds`` of the work start-up left for later, for a caller with no
-        request to step (``engine.idle_work.IdleWork.run``)."""
+        request to step (``engine.idle_work.IdleWork.run``). A step in flight ends first:
+        idle work repacks weights that it reads."""
+        self.finish_steps()
         self.idle.run(seconds)
 
+    def finish_steps(self) -> None:
+        """Wait for the step in flight (``--async-scheduling``), if any; the next
+        ``step`` reports its outputs."""
+        if self._in_flight is not None:
+            self._held_outputs += self._finish_in_flight()
+
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample, and report every request that moved."""
+        """Schedule, run one forward pass, sample, and report every request that moved.
+        With ``--async-scheduling`` the pass runs behind: this call starts one step and
+        reports the one before it (``engine.async_steps``)."""
+        held, self._held_outputs = self._held_outputs, []
+        if self.step_worker is None:
+            return held + self._step_sync()
+        if self._grammar_wait or any(r.grammar is not None for r in self.requests.values()):
+            # A grammar moves past each token before the next step's mask: no overlap.
+            return held + self._finish_in_flight() + self._step_sync()
+        return held + self._step_async()
+
+    def _step_sync(self) -> list[RequestOutput]:
         failed = self._admit_grammars() if self._grammar_wait else []
         if self.speculative_config is not None:
             self._propose_drafts()
@@ -527,6 +562,87 @@ class LLMEngine:
                     self._append_later_tokens(seq, out.later_tokens, now, out.later_tops)
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule step t and hand it to the worker, then take step t - 1's outputs while
+        step t runs."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self._in_flight is None and self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not place any waiting request.")
+            return self._finish_in_flight()
+        now = time.time()
+        for s in sched.scheduled:
+            metrics = self.requests[s.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        step = self.step_worker.submit(sched)  # type: ignore[union-attr]
+        for seq, _ in step.placeholders:
+            # Ends with the token in flight, whatever it is: not scheduled again.
+            seq.ends_in_flight = (seq.num_output_tokens >= seq.max_tokens
+                                  or seq.num_tokens >= self.max_model_len)
+        try:
+            outputs = self._finish_in_flight(step)
+        except BaseException:
+            self._abandon(step)
+            raise
+        self._in_flight = step
+        return outputs
+
+    def _finish_in_flight(self, next_step: StepInFlight | None = None
+                          ) -> list[RequestOutput]:
+        """Wait for the step in flight and take its outputs, as ``_step_sync`` does, with
+        every placeholder out of the way meanwhile; put back those of ``next_step`` (just
+        handed to the worker) for the sequences still running."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        try:
+            step_outputs = step.future.result()
+        except BaseException:
+            self._abandon(step)
+            raise
+        self.idle.stepped()
+        waiting = next_step.placeholders if next_step is not None else []
+        for seq, _ in step.placeholders + waiting:
+            strip_placeholders(seq)
+        now = time.time()
+        moved: dict[str, Request] = {}
+        for out in step_outputs:
+            seq = out.seq.live  # type: ignore[attr-defined]
+            if seq.status.is_finished:
+                continue  # aborted, or ended by the token before: this one is dropped
+            if seq.status == SequenceStatus.RUNNING:  # not swapped or preempted since
+                self.block_manager.cache_full_blocks(seq)
+            if out.prompt_logprobs is not None:
+                out.seq = seq
+                self._add_prompt_logprobs(out)
+            if out.token_id is not None:
+                if seq.max_tokens == 0:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                else:
+                    self._append_token(seq, out.token_id, out.logprob, out.top_ids,
+                                       out.top_logprobs, now)
+            moved[seq.request_id] = self.requests[seq.request_id]
+        outputs = [self._make_output(r, now) for r in moved.values()]
+        for seq, index in waiting:
+            if not seq.status.is_finished:
+                if len(seq.token_ids) != index:
+                    raise RuntimeError(f"sequence {seq.seq_id}: a placeholder at {index}, "
+                                       f"after {len(seq.token_ids)} tokens")
+                seq.token_ids.append(PLACEHOLDER)
+        return outputs
+
+    def _abandon(self, step: StepInFlight) -> None:
+        """A step failed: wait out ``step`` (which takes the failed one's tokens) and take
+        the placeholders off; the caller fails the requests."""
+        try:
+            step.future.result()
+        except BaseException:  # noqa: S110 - the first failure is the one raised
+            pass
+        for seq, _ in step.placeholders:
+            strip_placeholders(seq)
+        self.step_worker.forget()  # type: ignore[union-attr]
 
     def _admit_grammars(self) -> list[Request]:
         """Schedule the requests whose grammar has compiled, each sample with a matcher of

@@ -78,6 +78,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.ends_in_flight:  # its last token is being sampled (async scheduling)
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._fit_running(seq, n, out):
                 out.scheduled.append(ScheduledSeq(seq, n))

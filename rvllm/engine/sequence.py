@@ -75,6 +75,8 @@ class Sequence:
     logprobs: list[dict[int, Any]] | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     num_preemptions: int = 0
+    # --async-scheduling: the token in flight is its last (max_tokens, max_model_len).
+    ends_in_flight: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
