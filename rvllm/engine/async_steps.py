@@ -35,6 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -70,7 +72,9 @@ class StepWorker:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rvllm-step")
+        gpu = torch.cuda.current_device() if runner.device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rvllm-step",
+                                        initializer=_thread_start, initargs=(gpu,))
         # The tokens the last step sampled, by sequence id: the next step's placeholders.
         self._sampled: dict[int, int] = {}
 
@@ -109,6 +113,15 @@ class StepWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _thread_start(gpu: int | None) -> None:
+    """What a new thread does not inherit: autograd off (the steps make no graphs), and
+    on a GPU the engine thread's current device (a data-parallel replica's need not be
+    the first)."""
+    torch.set_grad_enabled(False)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
 
 
 def strip_placeholders(seq: Sequence) -> int:
