@@ -53,6 +53,16 @@ def test_triton_path_under_chunked_prefill_prefix_hits_and_preemption(llama_dir:
     assert llm.engine.block_manager.prefix_cache_hits > hits
 
 
+def test_triton_path_with_async_scheduling_matches_transformers(llama_dir: Path) -> None:
+    # The steps on their own thread (the stand-in for a device stream), under chunked
+    # prefill and preemption: on a GPU the same kernels run there.
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32", num_gpu_blocks=16,
+              max_model_len=128, block_size=8, max_num_batched_tokens=24,
+              async_scheduling=True)
+    assert greedy(llm, make_prompts()) == reference(llama_dir)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_triton_greedy_sampling_returns_the_logprob(llama_dir: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = [LLM(str(llama_dir), kernel_backend=backend, dtype="float32")
