@@ -6,7 +6,10 @@
 #   2. each Triton kernel timed against its plain-torch reference at Qwen2.5-7B shapes
 #   3. the engine benchmark (7B-shaped dummy weights, bf16, N=1/8/32/128, graphs on/off),
 #      when `rvllm benchmark` supports it; otherwise "skipped: ..."
-#   4. the peer: transformers generate on the same model
+#   4. decode with and without --async-scheduling on the same model, N=1/32/128
+#   5. the peer: transformers generate on the same model
+# GPU_CHECK_STEPS=a,b runs only those steps (kernel_tests, kernel_bench, engine_bench,
+# async_bench, hf_peer).
 # Results: JSON per step plus gpu_check.json (step statuses) in $OUT, else benchmarks/results.
 # A failing step is recorded and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -44,17 +47,26 @@ skip_step() {
   echo "skipped: $1 ($2)"; printf '%s\tskipped\t0\t%s\n' "$1" "$2" >>"$steps"
 }
 
+# wanted NAME: whether GPU_CHECK_STEPS (default: every step) names it.
+wanted() {
+  [[ -z "${GPU_CHECK_STEPS:-}" || ",$GPU_CHECK_STEPS," == *",$1,"* ]]
+}
+
 "$py" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   || { echo "gpu_check needs PyTorch with CUDA and Triton"; exit 1; }
 
-run_step kernel_tests 180 "$py" scripts/run_tests.py tests/test_kernels.py \
-  tests/test_cuda_graphs.py tests/test_triton_path.py tests/test_memory.py --json "$out_dir/kernel_tests.json"
-run_step kernel_bench 150 "$py" benchmarks/bench_kernels.py --out "$out_dir/kernel_bench.json"
+wanted kernel_tests && run_step kernel_tests 180 "$py" scripts/run_tests.py \
+  tests/test_kernels.py tests/test_cuda_graphs.py tests/test_triton_path.py tests/test_memory.py \
+  --json "$out_dir/kernel_tests.json"
+wanted kernel_bench && run_step kernel_bench 150 "$py" benchmarks/bench_kernels.py \
+  --out "$out_dir/kernel_bench.json"
 
 model_dir="$out_dir/qwen2.5-7b-shape"
 "$py" benchmarks/bench_hf_peer.py --save-config "$model_dir"
-if "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format"; then
+if ! wanted engine_bench; then
+  :
+elif "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format"; then
   # Flags follow the issue (dummy weights, no tokenizer, graphs on/off); adjust here
   # if `rvllm benchmark` names them differently.
   engine_bench() {
@@ -75,7 +87,14 @@ else
   skip_step engine_bench "rvllm benchmark with --load-format dummy is not available yet"
 fi
 
-if [[ "${GPU_CHECK_PEER:-1}" == 1 ]]; then
+# One engine, the overlap switched off and on in turns (benchmarks/bench_async_scheduling.py).
+wanted async_bench && run_step async_bench 180 "$py" benchmarks/bench_async_scheduling.py \
+  --shape qwen2.5-7b --device cuda --dtype bfloat16 --ns 1,32,128 --max-tokens 128 \
+  --engine-kwargs '{"max_model_len": 2048}' --json "$out_dir/async_bench.json"
+
+if ! wanted hf_peer; then
+  :
+elif [[ "${GPU_CHECK_PEER:-1}" == 1 ]]; then
   run_step hf_peer 120 "$py" benchmarks/bench_hf_peer.py --out "$out_dir/hf_peer.json"
 else
   skip_step hf_peer "GPU_CHECK_PEER=0"
