@@ -13,11 +13,12 @@ from rvllm.spec_decode.rejection import rejection_sample, verify_greedy
 
 @pytest.mark.parametrize(("tokens", "k", "lo", "hi", "expected"), [
     ([1, 2, 3, 4, 1, 2], 2, 1, 3, [3, 4]),          # "1 2" seen before: what followed it
-    ([1, 2, 3, 4, 1, 2], 5, 1, 3, [3, 4, 1, 2]),    # stops where the sequence ends
+    ([1, 2, 3, 4, 1, 2], 5, 1, 3, [3, 4, 1, 2, 3]),  # past the end: period 4 goes on
     ([5, 1, 2, 9, 7, 1, 2, 8, 1, 2], 1, 2, 2, [8]),  # the latest earlier match wins
     ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, 1, 3, [9, 2]),  # the longest n first
     ([1, 2, 3], 3, 1, 3, []),                        # no earlier occurrence
-    ([4, 4, 4, 4], 2, 2, 2, [4]),                    # overlapping matches
+    ([4, 4, 4, 4], 2, 2, 2, [4, 4]),                 # overlapping matches: period 1
+    ([7, 5, 6, 5, 6], 4, 2, 2, [5, 6, 5, 6]),        # period 2 from a match 2 back
     ([1, 2, 3, 1], 2, 2, 3, []),                     # below lookup_min: nothing
 ])
 def test_ngram_proposer_matches_by_hand(tokens, k, lo, hi, expected):
