@@ -92,6 +92,8 @@ def resolve_quantization(requested: str | None, model: str, device: torch.device
 
     if requested == "none":
         return None
+    if model_impl == "jax" and requested in ("int8", "int4"):
+        return requested  # quantized at load by rvllm.jax.quant, on any device, dtype, TP size
     gguf = resolve_gguf_path(model) if load_format != "dummy" else None
     int4_method = (checkpoint_int4_method(model) if gguf is None and load_format != "dummy"
                    else None)
@@ -307,14 +309,14 @@ def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dt
     if args.jax_platform == "tpu" and device.type != "cpu":
         refused.append(f"--jax-platform tpu with --device {device.type} (the engine's own "
                        "tensors stay on the CPU: --device cpu)")
-    if args.tensor_parallel_size > 1:
-        refused.append("--tensor-parallel-size above 1")
+    if args.tensor_parallel_size > 1 and args.distributed_executor_backend == "ray":
+        refused.append("--distributed-executor-backend ray (one process drives JAX's mesh)")
     if args.speculative_config is not None:
         refused.append("--speculative-config")
     if args.num_cpu_blocks or args.preemption_mode == "swap":
         refused.append("swap preemption (--num-cpu-blocks, --preemption-mode swap)")
-    if quantization is not None:
-        refused.append(f"--quantization {quantization}")
+    if quantization not in (None, "int8", "int4"):
+        refused.append(f"--quantization {quantization} (int8 and int4 only)")
     if args.load_format != "auto":
         refused.append(f"--load-format {args.load_format}")
     if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -339,4 +341,7 @@ def start_jax_runner(args: EngineArgs, model_config: ModelConfig,
     from rvllm.jax.runner import JaxModelRunner
 
     return JaxModelRunner(model_config, sched_config, args.block_size, device,
-                          progress=args.show_progress, platform=args.jax_platform)
+                          progress=args.show_progress, platform=args.jax_platform,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          quantization=args.quantization
+                          if args.quantization in ("int8", "int4") else None)

@@ -117,8 +117,10 @@ class LLMEngine:
                                                  args.tensor_parallel_size, args.load_format,
                                                  args.model_impl)
         self.kernel_backend, warming = select_kernels(
-            args.kernel_backend, self.device, dtype, kv_dtype, self.quantization == "int8",
-            args.num_scheduler_steps > 1, self.quantization in PACKED_QUANTIZATIONS,
+            args.kernel_backend, self.device, dtype, kv_dtype,
+            self.quantization == "int8" and args.model_impl != "jax",
+            args.num_scheduler_steps > 1,
+            self.quantization in PACKED_QUANTIZATIONS and args.model_impl != "jax",
             self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
@@ -148,7 +150,10 @@ class LLMEngine:
                                               self.scheduler_config, self.device,
                                               tensor_parallel_size=args.tensor_parallel_size)
             self._check_capacity(num_blocks)
-        self.tp_group = start_tensor_parallel(args, self.model_config, num_blocks, self.device)
+        # Under --model-impl jax no torch workers start: the JAX runner shards the model
+        # over a mesh of JAX's devices in this process (rvllm.jax.sharding).
+        self.tp_group = (None if args.model_impl == "jax" else
+                         start_tensor_parallel(args, self.model_config, num_blocks, self.device))
         try:
             # fbgemm's packing of the linear weights (--quantization) goes on on threads
             # outside the GIL while the tokenizer loads: SmolLM2 int8's engine start

@@ -3,7 +3,9 @@ and one value array ``[repeats, num_blocks, block_size, kv_heads, head_dim]`` (t
 of that position, one per repeat of the block), indexed by the block manager's block ids
 unchanged. A Gemma 4 layer that reads an earlier layer's cache has none (an empty dict).
 The step takes the caches as a donated argument and hands them back: XLA updates them in
-place (no copy of the cache per step)."""
+place (no copy of the cache per step). Under tensor parallelism every array is split by KV
+head over the mesh (``rvllm.jax.sharding.cache_sharding``): each device holds its heads of
+every block."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ KVCache = dict[str, Any]
 
 
 def allocate(spec: ModelSpec, num_blocks: int, block_size: int, dtype: Any,
-             device: jax.Device) -> list[list[KVCache]]:
-    """Zeroed caches for every stack of ``spec`` on ``device``."""
+             device: jax.Device | jax.sharding.Sharding) -> list[list[KVCache]]:
+    """Zeroed caches for every stack of ``spec`` on ``device``, or placed by a sharding
+    (each device allocates its own shard, never the whole array)."""
     caches = []
     for stack in spec.stacks:
         positions = []
@@ -40,8 +43,14 @@ def _arrays(caches: list[list[KVCache]]) -> list[Any]:
 
 
 def cache_bytes(caches: list[list[KVCache]]) -> int:
-    """The bytes of every key and value array."""
+    """The bytes of every key and value array (their global size, over every device)."""
     return sum(a.nbytes for a in _arrays(caches))
+
+
+def device_cache_bytes(caches: list[list[KVCache]]) -> int:
+    """The bytes one device holds of every key and value array: the whole cache on one
+    device, its share of the KV heads under tensor parallelism."""
+    return sum(a.addressable_shards[0].data.nbytes for a in _arrays(caches))
 
 
 def block_bytes(caches: list[list[KVCache]]) -> int:

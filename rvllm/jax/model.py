@@ -26,7 +26,11 @@ Attention reads each token's context from the cache through its sequence's block
 a chunk of pages at a time with an online softmax (``paged_attention``): the memory it
 needs is bounded by the chunk, not by the context. Each layer writes the step's keys and
 values before it attends, so a sequence's new tokens attend to each other causally, as in
-a prefill, and a prefix-cache hit or a recomputed sequence reads what its blocks hold."""
+a prefill, and a prefix-cache hit or a recomputed sequence reads what its blocks hold.
+
+Every product with a layer's linear weight goes through ``rvllm.jax.quant.linear``: a
+plain matmul, or for an int8 or int4 weight (``--quantization``) the weight widened to the
+activations' dtype inside the step and its scales applied."""
 
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rvllm.jax.cache import KVCache
+from rvllm.jax.quant import linear
 from rvllm.jax.weights import LayerKind, ModelSpec, StackSpec
 
 # How many (query token, key) pairs one chunk of paged attention gathers at most: the
@@ -168,7 +173,7 @@ def _gemma4_layer(spec: ModelSpec, kind: LayerKind, w: dict[str, jax.Array],
     num_tokens = h.shape[0]
     heads, kv_heads, head_dim = kind.num_heads, kind.num_kv_heads, kind.head_dim
     eps, norm = spec.rms_norm_eps, partial(_rms_norm, family="gemma4")
-    dot = partial(jnp.matmul, precision=x.precision)
+    dot = partial(linear, precision=x.precision)  # a plain or a quantized weight
     cos, sin = x.cos[kind.rope], x.sin[kind.rope]
     y = norm(h, w["input_norm"], eps)
     q = norm(dot(y, w["q"]).reshape(num_tokens, heads, head_dim), w["q_norm"], eps)
@@ -212,7 +217,7 @@ def _layer(spec: ModelSpec, kind: LayerKind, w: dict[str, jax.Array], cache: KVC
     heads, kv_heads, head_dim = kind.num_heads, kind.num_kv_heads, kind.head_dim
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     eps, gemma, family = spec.rms_norm_eps, spec.gemma, spec.family
-    dot = partial(jnp.matmul, precision=x.precision)
+    dot = partial(linear, precision=x.precision)  # a plain or a quantized weight
     y = _rms_norm(h, w["input_norm"], eps, family)
     qkv = dot(y, w["qkv"])
     if spec.qkv_bias:

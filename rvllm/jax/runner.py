@@ -9,6 +9,12 @@ the logits come back through numpy as a torch tensor for the engine's sampler. A
 the scheduler lets run several decode steps ahead (``--num-scheduler-steps``), of plain
 greedy decodes alone, runs them in one call (``rvllm.jax.model.greedy_steps``).
 
+With ``tensor_parallel_size`` N above 1 the runner builds a mesh of N devices
+(``rvllm.jax.sharding``), places the weights on it Megatron-style and the cache split by
+KV head, and runs the same step functions jitted for the mesh (the caches coming back
+with the shardings they came in with, so they stay donated); each step's inputs are
+replicated, and its logits come back replicated, sampled as on one device.
+
 Every step is padded to a bucket: a power of two of tokens (at least
 ``MIN_TOKEN_BUCKET``, at most the first power of two at or above
 ``max_num_batched_tokens``; a step of decodes alone, fewer than that, to its sequence
@@ -31,8 +37,10 @@ from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rvllm.engine.sequence import Sequence
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput, _LogitsPlan, _plan_logits
 from rvllm.jax import cache as kv_cache
+from rvllm.jax import model as jax_model
+from rvllm.jax import sharding
 from rvllm.jax.model import compile_count, jitted_greedy_steps, jitted_sample, jitted_step
-from rvllm.jax.weights import DTYPES, load_weights
+from rvllm.jax.weights import DTYPES, check_supported, load_weights, model_spec
 from rvllm.layers.sampler import plain_greedy
 
 logger = logging.getLogger("rvllm")
@@ -71,13 +79,20 @@ def device_samples(seq: Sequence) -> bool:
             and params.structured_outputs is None and seq.grammar is None)
 
 
+def jax_platform(device: torch.device, platform: str | None = None) -> str:
+    """JAX's platform to run on: ``--jax-platform`` (cpu, gpu, tpu), else the one of the
+    engine's ``--device``."""
+    platform = platform or {"cpu": "cpu", "cuda": "gpu"}.get(device.type)
+    if platform is None:
+        raise ValueError(f"--model-impl jax runs on the CPU, a GPU or a TPU, not {device}.")
+    return platform
+
+
 def jax_device(device: torch.device, platform: str | None = None) -> jax.Device:
     """The JAX device to run on: ``platform``'s first (``--jax-platform``: cpu, gpu, tpu),
     else the one of the engine's ``--device``: the CPU, or the CUDA GPU of that index."""
     index = 0 if platform is not None else device.index or 0
-    platform = platform or {"cpu": "cpu", "cuda": "gpu"}.get(device.type)
-    if platform is None:
-        raise ValueError(f"--model-impl jax runs on the CPU, a GPU or a TPU, not {device}.")
+    platform = jax_platform(device, platform)
     try:
         devices = jax.devices(platform)
     except RuntimeError as e:
@@ -89,17 +104,43 @@ def jax_device(device: torch.device, platform: str | None = None) -> jax.Device:
 class JaxModelRunner(ModelRunner):
     """Runs each scheduled step as the jitted JAX step and samples it with the engine's
     sampler. ``compile_buckets`` (called by ``allocate_kv_cache``) compiles every step
-    shape the engine's limits allow."""
+    shape the engine's limits allow. With ``tensor_parallel_size`` above 1 the model runs
+    over a mesh of that many devices (``mesh``; ``rvllm.jax.sharding``)."""
 
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  block_size: int, device: torch.device, progress: bool = False,
-                 layout: str = "blocks", platform: str | None = None) -> None:
+                 layout: str = "blocks", platform: str | None = None,
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> None:
         super().__init__(None, block_size, device)  # type: ignore[arg-type]  # no torch model
-        self.jax_device = jax_device(device, platform)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{tensor_parallel_size}.")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.mesh: jax.sharding.Mesh | None = None
         start = time.perf_counter()
-        # ``layout``: how the layers are scanned (``rvllm.jax.weights.LAYOUTS``).
-        self.spec, self.weights = load_weights(model_config, self.jax_device, progress,
-                                               layout)
+        if tensor_parallel_size > 1:
+            # Refused before anything loads: too few devices, KV heads that do not divide.
+            self.mesh = sharding.make_mesh(tensor_parallel_size,
+                                           jax_platform(device, platform))
+            check_supported(model_config)
+            sharding.check_divisible(model_spec(model_config, layout), tensor_parallel_size)
+            self.jax_device = self.mesh.devices.flat[0]
+            # Read onto the host, then each device takes its shards.
+            load_device = jax.devices("cpu")[0]
+        else:
+            self.jax_device = load_device = jax_device(device, platform)
+        # ``layout``: how the layers are scanned (``rvllm.jax.weights.LAYOUTS``);
+        # ``quantization``: int8 or int4 linear weights (``rvllm.jax.quant``), or None.
+        self.spec, self.weights = load_weights(model_config, load_device, progress, layout,
+                                               quantization)
+        if self.mesh is None:
+            # The process's jitted functions: engines of the same shapes share compilations.
+            self.step_fn, self.greedy_steps_fn = jitted_step, jitted_greedy_steps
+        else:
+            self.weights = sharding.shard_weights(self.weights, self.mesh)
+            self.step_fn = sharding.jit_sharded(jax_model.step, self.spec, self.mesh, 2)
+            self.greedy_steps_fn = sharding.jit_sharded(jax_model.greedy_steps, self.spec,
+                                                        self.mesh, 4, ("spec", "max_steps"))
         self.load_seconds = time.perf_counter() - start
         self.table_width = -(-model_config.max_model_len // block_size)
         self.token_buckets = power_buckets(MIN_TOKEN_BUCKET,
@@ -132,8 +173,9 @@ class JaxModelRunner(ModelRunner):
         if dtype not in DTYPES:
             raise ValueError(f"--model-impl jax stores the KV cache as float32, bfloat16 or "
                              f"float16, not {dtype}.")
-        self.caches = kv_cache.allocate(self.spec, num_blocks, self.block_size, DTYPES[dtype],
-                                        self.jax_device)
+        self.caches = kv_cache.allocate(
+            self.spec, num_blocks, self.block_size, DTYPES[dtype],
+            self.jax_device if self.mesh is None else sharding.cache_sharding(self.mesh))
         self.num_blocks = num_blocks
         if compile_buckets:
             self.compile_buckets()
@@ -172,8 +214,10 @@ class JaxModelRunner(ModelRunner):
         for tokens, seqs in shapes:
             logits = self._run(*self._padding(tokens, seqs, seqs))
         for rows in self.seq_buckets:  # the device's sampling of each row count
-            sampled, _ = jitted_sample(np.zeros((rows, self.spec.vocab_size), np.float32),
-                                       *self._sampling_padding(rows))
+            # Placed as the step's logits are (replicated over a mesh): the same
+            # compilation serves them.
+            zeros = self._put(np.zeros((rows, self.spec.vocab_size), np.float32))
+            sampled, _ = jitted_sample(zeros, *self._sampling_padding(rows))
             if self.max_steps > 1:  # the multi-step decode, of padding alone: no step runs
                 self._run_greedy_steps(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                                        np.zeros((rows, self.table_width), np.int32), 0, 1,
@@ -184,12 +228,21 @@ class JaxModelRunner(ModelRunner):
         self.compiles_after_warm_up = compile_count()
         logger.info("JAX step compiled for %d bucket shapes (tokens %s, sequences %s) in "
                     "%.1fs on %s", len(shapes), self.token_buckets,
-                    self.seq_buckets, self.compile_seconds, self.jax_device)
+                    self.seq_buckets, self.compile_seconds,
+                    self.jax_device if self.mesh is None else
+                    f"{self.tensor_parallel_size} devices ({self.mesh.devices.flat[0]}, ...)")
 
     def step_args(self, tokens: int, seqs: int, rows: int | None = None) -> tuple[Any, ...]:
         """The step's arguments for a padding-only step of this shape (for inspecting its
-        compilation: ``jitted_step.lower(*runner.step_args(...), spec=runner.spec)``)."""
-        return (self.weights, self.caches, *self._padding(tokens, seqs, rows or seqs))
+        compilation: ``runner.step_fn.lower(*runner.step_args(...), spec=runner.spec)``)."""
+        return (self.weights, self.caches, *self._put(self._padding(tokens, seqs, rows or seqs)))
+
+    def _put(self, arrays: Any) -> Any:
+        """Host arrays as a step's inputs: replicated over the mesh (as they are, on one
+        device: the jitted call places them)."""
+        if self.mesh is None:
+            return arrays
+        return jax.device_put(arrays, sharding.replicated(self.mesh))
 
     def _padding(self, tokens: int, seqs: int, rows: int) -> tuple[np.ndarray, ...]:
         return (np.zeros(tokens, np.int32), np.zeros(tokens, np.int32),
@@ -209,15 +262,16 @@ class JaxModelRunner(ModelRunner):
                           ) -> tuple[np.ndarray, np.ndarray]:
         """The multi-step greedy decode (``rvllm.jax.model.greedy_steps``) over the cache
         (donated, and replaced): the tokens and logprobs [steps taken, S]."""
-        tokens, logprobs, taken, self.caches = jitted_greedy_steps(
-            self.weights, self.caches, ids, pos, tables, np.int32(num_seqs),
-            np.int32(num_steps), stops, spec=self.spec, max_steps=self.max_steps)
+        inputs = self._put((ids, pos, tables, np.int32(num_seqs), np.int32(num_steps), stops))
+        tokens, logprobs, taken, self.caches = self.greedy_steps_fn(
+            self.weights, self.caches, *inputs, spec=self.spec, max_steps=self.max_steps)
         taken = int(taken)
         return np.asarray(tokens)[:taken], np.asarray(logprobs)[:taken]
 
     def _run(self, *inputs: np.ndarray) -> jax.Array:
         """One step over the cache (donated, and replaced by the step's updated one)."""
-        logits, self.caches = jitted_step(self.weights, self.caches, *inputs, spec=self.spec)
+        logits, self.caches = self.step_fn(self.weights, self.caches, *self._put(inputs),
+                                           spec=self.spec)
         return logits
 
     # -- a step ------------------------------------------------------------------------

@@ -17,7 +17,9 @@ compile-time constants of its ``LayerKind``.
 
 The weights are plain dicts of arrays (a pytree the jitted step takes as an argument, not
 as constants): linear weights stored ``[in, out]`` so a layer is ``x @ w``, q/k/v fused
-into one matrix, gate and up into another."""
+into one matrix, gate and up into another. Under ``--quantization int8`` or ``int4`` each
+layer's linear weight is a dict of its integer values and scales instead
+(``rvllm.jax.quant``), stacked like the arrays."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import numpy as np
 import torch
 
 from rvllm.config import ModelConfig
+from rvllm.jax.quant import METHODS as QUANTIZATIONS
+from rvllm.jax.quant import quantize_layer
 from rvllm.layers.rope_frequencies import inv_freq, inv_freq_and_scale
 from rvllm.layers.rotary import rope_parameters
 from rvllm.layers.rotary_scaled import rope_type_of
@@ -376,10 +380,15 @@ def checkpoint_tensors(config: ModelConfig, progress: bool = False
 
 
 def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False,
-                 layout: str = "blocks") -> tuple[ModelSpec, dict[str, Any]]:
+                 layout: str = "blocks", quantization: str | None = None
+                 ) -> tuple[ModelSpec, dict[str, Any]]:
     """The checkpoint's weights (safetensors or a GGUF file), stacked, on ``device`` in the
-    model's dtype."""
+    model's dtype; with ``quantization`` (``int8``, ``int4``: ``rvllm.jax.quant``) the
+    layers' linear weights as integer values and their scales."""
     check_supported(config)
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"--model-impl jax quantizes weights to {', '.join(QUANTIZATIONS)}; "
+                         f"not {quantization}.")
     spec = model_spec(config, layout)
     np_dtype = np.dtype(DTYPES[config.dtype])
     flat: dict[str, np.ndarray] = {}
@@ -416,9 +425,11 @@ def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False
                     parts["window"] = np.int32(NO_WINDOW if windows[i] is None else windows[i])
                 if kind.rope is None:
                     parts["local_rope"] = np.int32(types[i] == "sliding_attention")
-                for key, value in parts.items():
+                for key, value in quantize_layer(parts, quantization).items():
                     arrays.setdefault(key, []).append(value)
-            positions.append({key: put(np.stack(values)) for key, values in arrays.items()})
+            # A quantized weight's dict stacks leaf by leaf.
+            positions.append({key: jax.tree.map(lambda *v: put(np.stack(v)), *values)
+                              for key, values in arrays.items()})
         stacks.append(positions)
     weights: dict[str, Any] = {
         "embed": put(take("model.embed_tokens.weight")),
