@@ -9,8 +9,11 @@ one ``generate``; decode tok/s is generated tokens over its wall time (the promp
 prefill included, as a user sees it). The two implementations' greedy outputs are
 compared token for token at N=1.
 
-    python benchmarks/bench_jax_engine.py [--model /work/peers/random-llama]
-        [--ns 1 8 32] [--max-tokens 128] [--json OUT]
+    python benchmarks/bench_jax_engine.py [--model /work/peers/random-llama | default]
+        [--ns 1 8 32] [--max-tokens 128] [--impls torch,jax,jax-int8] [--json OUT]
+
+``default`` is the built-in SmolLM2 file: the torch backend runs its Q4_1 blocks packed,
+the JAX backend dequantized to float32 (``jax-int8``: quantized again to int8).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main() -> int:
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--impls", default="torch,jax",
+                        help="comma-separated: torch, jax, jax-int8, jax-int4")
     parser.add_argument("--json", default=str(OUT))
     ns = parser.parse_args()
 
@@ -44,10 +49,13 @@ def main() -> int:
                for _ in range(max(ns.ns))]
     params = rvllm.SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     rows, outputs = [], {}
-    for impl in ("torch", "jax"):
+    model = None if ns.model == "default" else ns.model
+    for impl in ns.impls.split(","):
+        backend, _, quantization = impl.partition("-")
         start = time.perf_counter()
-        llm = rvllm.LLM(ns.model, model_impl=impl, max_num_seqs=max(ns.ns),
-                        max_num_batched_tokens=512, max_model_len=512)
+        llm = rvllm.LLM(model, model_impl=backend, max_num_seqs=max(ns.ns),
+                        max_num_batched_tokens=512, max_model_len=512,
+                        quantization=quantization or None)
         startup = time.perf_counter() - start
         llm.generate(prompts[:2], rvllm.SamplingParams(temperature=0.0, max_tokens=8))
         for n in ns.ns:
@@ -62,7 +70,7 @@ def main() -> int:
             print(rows[-1], flush=True)
         del llm
         gc.collect()
-    same = outputs["torch"] == outputs["jax"]
+    same = outputs.get("torch") == outputs.get("jax")
     print(format_table(rows, [(k, k) for k in rows[0]]))
     print(f"greedy outputs at N=1 identical: {same}")
     write_json(ns.json, {"benchmark": "jax-engine", "command": "python " + shlex.join(sys.argv),
