@@ -607,6 +607,8 @@ class LLMEngine:
         except BaseException:
             self._abandon(step)
             raise
+        # No deferred weight packing between overlapped steps (the step in flight reads
+        # the weights): it waits for idle time, which finishes the step first.
         self.idle.stepped()
         waiting = next_step.placeholders if next_step is not None else []
         for seq, _ in step.placeholders + waiting:
