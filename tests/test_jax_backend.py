@@ -199,10 +199,10 @@ def test_unsupported_combinations_are_refused_at_start_up(llama_dir: Path) -> No
     with pytest.raises(ValueError, match="--speculative-config"):
         LLM(str(llama_dir), num_gpu_blocks=64, **ENGINE,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    gemma2 = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Gemma2ForCausalLM",
-                         torch.float32, 128)
-    with pytest.raises(ValueError, match="runs Llama.*Gemma4ForCausalLM; not Gemma2"):
-        check_supported(gemma2)
+    phi3 = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Phi3ForCausalLM",
+                       torch.float32, 128)
+    with pytest.raises(ValueError, match="runs Llama.*Gemma4ForCausalLM; not Phi3"):
+        check_supported(phi3)
     # No GGUF architecture loads as Gemma 4: such a file is named, not half-loaded.
     gemma4_gguf = ModelConfig(str(llama_dir), {"hidden_size": 64}, "Gemma4ForCausalLM",
                               torch.float32, 128, gguf_file="m.gguf")

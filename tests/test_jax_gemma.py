@@ -1,7 +1,8 @@
-"""Gemma 3 and 4 under the JAX backend: their sliding and global layers scanned as pattern
-blocks (Gemma 4's KV-sharing layers as stacks of their own) generate what transformers
-generates in float32, however the engine batches and chunks; and the step's layouts
-(pattern blocks, one flat scan, unrolled layers) agree."""
+"""Gemma 1 to 4 under the JAX backend: their sliding and global layers scanned as pattern
+blocks (Gemma 4's KV-sharing layers as stacks of their own; Gemma 2's scores and logits
+soft-capped) generate what transformers generates in float32, however the engine batches
+and chunks; and the step's layouts (pattern blocks, one flat scan, unrolled layers)
+agree."""
 
 from __future__ import annotations
 
@@ -86,6 +87,72 @@ def build_gemma4(out_dir: Path) -> Path:
     return out_dir
 
 
+def _randomize_norms(model: Any) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+
+
+def build_gemma2(out_dir: Path, num_layers: int = 5, attn_cap: float = 5.0,
+                 final_cap: float = 3.0) -> Path:
+    """A tiny random Gemma 2 of alternating sliding and global layers (two whole blocks
+    and a sliding layer left over), with random norm weights, a query scale apart from
+    head_dim, a 16-token window and soft-caps low enough to change its scores and logits
+    (``test_gemma2_soft_caps_bite`` checks they do): its query weights scaled up so that
+    scores reach the attention cap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=attn_cap,
+        final_logit_softcapping=final_cap,
+        layer_types=[(SLIDING, GLOBAL)[i % 2] for i in range(num_layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_norms(model)
+    with torch.no_grad():  # scores large enough for the cap to matter
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def build_gemma1(out_dir: Path) -> Path:
+    """A tiny random Gemma 1 of 4 layers: two norms a layer, a head size apart from
+    hidden / heads, random norm weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma", architectures=["GemmaForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+        initializer_range=0.1, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        hidden_act="gelu_pytorch_tanh", rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_norms(model)
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma2(tmp_path_factory.mktemp("models") / "gemma2")
+
+
+@pytest.fixture(scope="module")
+def gemma1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma1(tmp_path_factory.mktemp("models") / "gemma1")
+
+
 @pytest.fixture(scope="module")
 def gemma4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_gemma4(tmp_path_factory.mktemp("models") / "gemma4")
@@ -135,6 +202,69 @@ def test_gemma4_kv_sharing_and_global_geometry_match_transformers(gemma4_dir: Pa
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(gemma4_dir, prompts, NEW_TOKENS)
 
 
+def test_gemma2_soft_caps_and_windows_match_transformers(gemma2_dir: Path) -> None:
+    from rvllm.jax.weights import NO_WINDOW
+
+    llm = LLM(str(gemma2_dir), num_gpu_blocks=64, **ENGINE)
+    spec = llm.engine.runner.spec
+    assert (spec.family, spec.attn_softcap, spec.final_softcap) == ("gemma2", 5.0, 3.0)
+    assert spec.attn_scale == 24 ** -0.5
+    blocks, leftover = spec.stacks
+    assert (blocks.repeats, [(k.window, k.rope) for k in blocks.pattern]) == (
+        2, [(16, "local"), (NO_WINDOW, "global")])
+    assert (leftover.first, leftover.repeats, len(leftover.pattern)) == (4, 1, 1)
+    prompts = make_prompts(1, PROMPT_LENS)
+    # With logprobs: the final cap never changes the argmax, but does the log-softmax.
+    outs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1))]
+    assert [o.token_ids for o in outs] == hf_greedy(gemma2_dir, prompts, NEW_TOKENS)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gemma2_dir, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids[:-1]])).logits[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1:], -1)
+        expected = expected[torch.arange(NEW_TOKENS), out.token_ids].numpy()
+        got = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_gemma2_soft_caps_bite(gemma2_dir: Path) -> None:
+    """The caps the tests run under change transformers' scores and logits: without them
+    the greedy tokens differ."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = make_prompts(1, PROMPT_LENS[-2:])
+    model = AutoModelForCausalLM.from_pretrained(gemma2_dir, dtype=torch.float32)
+    with torch.no_grad():
+        capped = [model(torch.tensor([p])).logits[0] for p in prompts]
+        model.config.final_logit_softcapping = None
+        uncapped_final = [model(torch.tensor([p])).logits[0] for p in prompts]
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = [model(torch.tensor([p])).logits[0] for p in prompts]
+    assert max(float(c.abs().max()) for c in capped) < 3.0
+    assert max(float(u.abs().max()) for u in uncapped_final) > 3.0
+    # The attention cap alone changes the logits well past float32 rounding.
+    assert max(float((u - f).abs().max()) for u, f in zip(uncapped, uncapped_final)) > 0.1
+
+
+def test_gemma1_matches_transformers(gemma1_dir: Path) -> None:
+    from rvllm.jax.weights import NO_WINDOW
+
+    llm = LLM(str(gemma1_dir), num_gpu_blocks=64, **ENGINE)
+    spec = llm.engine.runner.spec
+    assert (spec.family, spec.attn_softcap, spec.final_softcap) == ("gemma1", None, None)
+    (stack,) = spec.stacks
+    assert (stack.repeats, [(k.head_dim, k.window) for k in stack.pattern]) == (
+        4, [(24, NO_WINDOW)])
+    prompts = make_prompts(2, PROMPT_LENS)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(gemma1_dir, prompts, NEW_TOKENS)
+
+
 def test_gemma4_moe_is_refused(gemma4_dir: Path) -> None:
     from rvllm.config import ModelConfig
     from rvllm.jax.weights import check_supported
@@ -179,9 +309,11 @@ def _two_steps(runner: Any) -> list[np.ndarray]:
     return logits
 
 
-def test_scanned_flat_and_unrolled_layers_agree(gemma3_dir: Path, gemma4_dir: Path) -> None:
+def test_scanned_flat_and_unrolled_layers_agree(gemma3_dir: Path, gemma4_dir: Path,
+                                                gemma2_dir: Path) -> None:
     for model_dir, layouts in ((gemma3_dir, ("blocks", "flat", "unrolled")),
-                               (gemma4_dir, ("blocks", "unrolled"))):
+                               (gemma4_dir, ("blocks", "unrolled")),
+                               (gemma2_dir, ("blocks", "flat"))):
         results = [_two_steps(_runner(model_dir, layout)) for layout in layouts]
         for other in results[1:]:
             for got, expected in zip(other, results[0]):

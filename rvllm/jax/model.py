@@ -74,13 +74,13 @@ def compile_count() -> int:
 def _rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, family: str = "llama"
               ) -> jax.Array:
     """As transformers: normalise in float32; Llama scales by ``w`` in the model's dtype,
-    Gemma 3 by ``1 + w`` and Gemma 4 by ``w`` in float32 before the cast back (Gemma 4's
-    value norm has no weight)."""
+    Gemma 1 to 3 by ``1 + w`` and Gemma 4 by ``w`` in float32 before the cast back (Gemma
+    4's value norm has no weight)."""
     h = x.astype(jnp.float32)
     h = h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     if weight is None:
         return h.astype(x.dtype)
-    if family == "gemma3":
+    if family in ("gemma1", "gemma2", "gemma3"):
         return (h * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     if family == "gemma4":
         return (h * weight.astype(jnp.float32)).astype(x.dtype)
@@ -225,7 +225,7 @@ def _layer(spec: ModelSpec, kind: LayerKind, w: dict[str, jax.Array], cache: KVC
     q = qkv[:, :q_size].reshape(num_tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, kv_heads, head_dim)
-    if gemma:
+    if spec.qk_norm:
         q, k = _rms_norm(q, w["q_norm"], eps, family), _rms_norm(k, w["k_norm"], eps, family)
     if kind.rope is not None:
         cos, sin = x.cos[kind.rope], x.sin[kind.rope]
@@ -243,17 +243,18 @@ def _layer(spec: ModelSpec, kind: LayerKind, w: dict[str, jax.Array], cache: KVC
     out = dot(attn.reshape(num_tokens, q_size), w["o"])
     if spec.o_bias:
         out = out + w["o_bias"]
-    if gemma:
+    if spec.post_norms:  # Gemma 2 and 3
         h = h + _rms_norm(out, w["post_norm"], eps, family)
         y = _rms_norm(h, w["pre_ffn_norm"], eps, family)
         gate, up = jnp.split(dot(y, w["gate_up"]), 2, axis=-1)
         out = dot(jax.nn.gelu(gate, approximate=True) * up, w["down"])
         h = h + _rms_norm(out, w["post_ffn_norm"], eps, family)
-    else:
+    else:  # Llama, Gemma 1 (a GeGLU MLP)
         h = h + out
-        y = _rms_norm(h, w["post_norm"], eps)
+        y = _rms_norm(h, w["post_norm"], eps, family)
         gate, up = jnp.split(dot(y, w["gate_up"]), 2, axis=-1)
-        h = h + dot(jax.nn.silu(gate) * up, w["down"])
+        act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+        h = h + dot(act * up, w["down"])
     return h, {"k": k_cache, "v": v_cache}
 
 

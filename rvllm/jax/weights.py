@@ -8,6 +8,8 @@ compile-time constants of its ``LayerKind``.
 
 - Llama, Mistral and Qwen2: one stack, a pattern of one layer repeated over every layer;
   each layer's window is an array beside its weights (Qwen2's windows need not repeat).
+- Gemma 1: one stack, a pattern of one global layer; Gemma 2: one of (sliding, global)
+  blocks, scores and final logits soft-capped.
 - Gemma 3: its sliding and global layers repeat (five sliding, one global in the released
   models): one stack of whole pattern blocks, then one of the leftover layers after the
   last whole block, run once.
@@ -48,7 +50,14 @@ from rvllm.models.llama import layer_windows
 from rvllm.models.loader import iter_safetensors, safetensors_files
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-GEMMA_FAMILY = ("Gemma3ForCausalLM", "Gemma4ForCausalLM")
+GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                "Gemma4ForCausalLM")
+# Each Gemma's family name in the spec, and for a config with no layer_types every how
+# many layers one is global (None: none slides), as the torch backend reads them.
+_GEMMA_FAMILIES = {"GemmaForCausalLM": "gemma1", "Gemma2ForCausalLM": "gemma2",
+                   "Gemma3ForCausalLM": "gemma3", "Gemma4ForCausalLM": "gemma4"}
+_SLIDING_EVERY = {"GemmaForCausalLM": None, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6,
+                  "Gemma4ForCausalLM": 6}
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + GEMMA_FAMILY
 # Those of them a GGUF file can hold: the ones the GGUF loader reads (a Mistral file is
 # stored as llama, so loads as Llama; there is no Gemma 4 GGUF architecture there).
@@ -115,21 +124,37 @@ class ModelSpec:
     # float32 models compute their matmuls in full float32 (no TF32 on a GPU), as
     # transformers does: the tokens must match it.
     full_precision: bool
-    # "llama", or Gemma's "gemma3" / "gemma4": a norm after attention and around the MLP,
-    # q/k norms, a GeGLU MLP, the embedding scaled by sqrt(hidden); Gemma 3's norms scale
-    # by (1 + w), Gemma 4's by w, with a value norm and per-layer inputs besides.
+    # "llama", or Gemma's "gemma1" / "gemma2" / "gemma3" / "gemma4": a GeGLU MLP, the
+    # embedding scaled by sqrt(hidden); Gemma 1 has Llama's two norms a layer, the later
+    # Gemmas a norm after attention and around the MLP besides, Gemma 3 and 4 q/k norms;
+    # Gemma 1 to 3's norms scale by (1 + w), Gemma 4's by w, with a value norm and
+    # per-layer inputs besides.
     family: str = "llama"
     per_layer_size: int = 0  # Gemma 4's per-layer input width (0: none)
     qkv_bias: bool = False
     o_bias: bool = False
     attn_scale: float | None = None  # None: head_dim ** -0.5
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
+    attn_softcap: float | None = None  # scores soft-capped at this (None: not)
+    final_softcap: float | None = None  # the logits likewise
     unrolled: bool = False
 
     @property
     def gemma(self) -> bool:
         return self.family != "llama"
+
+    @property
+    def post_norms(self) -> bool:
+        """Norms after attention and around the MLP (every Gemma but Gemma 1)."""
+        return self.gemma and self.family != "gemma1"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family in ("gemma3", "gemma4")
+
+
+def gemma_layer_types(config: ModelConfig) -> list[str]:
+    """A Gemma's layer types, "sliding_attention" or "full_attention", one a layer."""
+    return layer_types(config.hf_config, _SLIDING_EVERY[config.architecture])
 
 
 def check_supported(config: ModelConfig) -> None:
@@ -159,7 +184,7 @@ def check_supported(config: ModelConfig) -> None:
             for t in set(layer_types(cfg, 6)):
                 rope_type_of({"rope_parameters": _gemma4_rope(cfg, t)})
             return
-        for t in set(layer_types(cfg, 6)):
+        for t in set(gemma_layer_types(config)):
             layer_rope_parameters(cfg, t)  # raises for a rope scaling rvllm does not know
         return
     act = cfg.get("hidden_act", "silu")
@@ -199,7 +224,7 @@ def model_spec(config: ModelConfig, layout: str = "blocks") -> ModelSpec:
                                                                 else "global"),)),)
     else:
         stacks = _pattern_stacks([kind(layer_window(cfg, t) or NO_WINDOW, _rope_name(t))
-                                  for t in layer_types(cfg, 6)], 0)
+                                  for t in gemma_layer_types(config)], 0)
     model_type = cfg.get("model_type")
     attention_bias = bool(cfg.get("attention_bias", False))
     common = dict(
@@ -215,14 +240,18 @@ def model_spec(config: ModelConfig, layout: str = "blocks") -> ModelSpec:
                          per_layer_size=cfg.get("hidden_size_per_layer_input") or 0,
                          final_softcap=cfg.get("final_logit_softcapping") or None)
     if gemma:
-        scalar = cfg.get("query_pre_attn_scalar") or config.head_dim
+        family = _GEMMA_FAMILIES[config.architecture]
+        # Gemma 1 scales scores by head_dim; Gemma 2 and 3 by query_pre_attn_scalar.
+        scalar = (family != "gemma1" and cfg.get("query_pre_attn_scalar")) or config.head_dim
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never
+        # applies it (the released configs have none); Gemma 1 has neither cap.
+        attn_cap = cfg.get("attn_logit_softcapping") if family == "gemma2" else None
+        final_cap = cfg.get("final_logit_softcapping") if family != "gemma1" else None
         return ModelSpec(**common, tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                         family="gemma3", qkv_bias=attention_bias, o_bias=attention_bias,
+                         family=family, qkv_bias=attention_bias, o_bias=attention_bias,
                          attn_scale=float(scalar) ** -0.5,
-                         # transformers' Gemma 3 keeps attn_logit_softcapping in its
-                         # config but never applies it (the released configs have none).
-                         attn_softcap=None,
-                         final_softcap=cfg.get("final_logit_softcapping") or None)
+                         attn_softcap=float(attn_cap) if attn_cap else None,
+                         final_softcap=float(final_cap) if final_cap else None)
     return ModelSpec(
         **common, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # Qwen2 has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
@@ -333,11 +362,15 @@ def _llama_layer(take: Any, p: str, spec: ModelSpec) -> dict[str, np.ndarray]:
 
 
 def _gemma_layer(take: Any, p: str, spec: ModelSpec) -> dict[str, np.ndarray]:
+    """Gemma 1's layer is Llama's (its post_norm the norm before the MLP); Gemma 2 adds
+    the norms around the MLP, Gemma 3 the q/k norms."""
     parts = _llama_layer(take, p, spec)
-    parts["pre_ffn_norm"] = take(p + "pre_feedforward_layernorm.weight")
-    parts["post_ffn_norm"] = take(p + "post_feedforward_layernorm.weight")
-    parts["q_norm"] = take(p + "self_attn.q_norm.weight")
-    parts["k_norm"] = take(p + "self_attn.k_norm.weight")
+    if spec.post_norms:
+        parts["pre_ffn_norm"] = take(p + "pre_feedforward_layernorm.weight")
+        parts["post_ffn_norm"] = take(p + "post_feedforward_layernorm.weight")
+    if spec.qk_norm:
+        parts["q_norm"] = take(p + "self_attn.q_norm.weight")
+        parts["k_norm"] = take(p + "self_attn.k_norm.weight")
     return parts
 
 
@@ -404,7 +437,7 @@ def load_weights(config: ModelConfig, device: jax.Device, progress: bool = False
 
     cfg = config.hf_config
     if spec.gemma:
-        types = layer_types(cfg, 6)
+        types = gemma_layer_types(config)
         windows = [layer_window(cfg, t) for t in types]
     else:
         types, windows = [], layer_windows(cfg)
