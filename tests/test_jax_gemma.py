@@ -30,12 +30,26 @@ ENGINE = dict(model_impl="jax", block_size=8, max_model_len=128, max_num_batched
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 
+def _random_model(config: Any) -> Any:
+    """A float32 model of ``config`` from seed 0, its norm weights made random (a
+    (1 + w) norm starts at w = 0, which would hide a norm applied the wrong way)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
 def build_gemma3(out_dir: Path, num_layers: int, pattern: tuple[str, ...]) -> Path:
     """A tiny random Gemma 3 whose layers repeat ``pattern``, with random norm weights (so
     the (1 + w) norms cannot hide behind w = 0), a query scale apart from head_dim, local
     and global RoPE of their own bases (the global one linearly scaled) and a final
     logit soft-cap."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(
         "gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=512, hidden_size=64,
@@ -46,12 +60,7 @@ def build_gemma3(out_dir: Path, num_layers: int, pattern: tuple[str, ...]) -> Pa
         layer_types=[pattern[i % len(pattern)] for i in range(num_layers)],
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 100.0},
                          GLOBAL: {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
+    model = _random_model(config)
     model.save_pretrained(out_dir)
     build_tokenizer(out_dir)
     return out_dir
@@ -62,7 +71,7 @@ def build_gemma4(out_dir: Path) -> Path:
     global layers of another head size and KV heads taking their values from the keys,
     the last 4 layers reading the caches of layers 2 and 3 with double-wide MLPs,
     per-layer inputs, random layer scales and a final logit soft-cap."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(
         "gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=512, hidden_size=64,
@@ -73,25 +82,14 @@ def build_gemma4(out_dir: Path) -> Path:
         sliding_window=16, layer_types=[SLIDING, GLOBAL] * 4, num_kv_shared_layers=4,
         hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
         use_double_wide_mlp=True, final_logit_softcapping=5.0)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _random_model(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     build_tokenizer(out_dir)
     return out_dir
-
-
-def _randomize_norms(model: Any) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
 
 
 def build_gemma2(out_dir: Path, num_layers: int = 5, attn_cap: float = 5.0,
@@ -101,7 +99,7 @@ def build_gemma2(out_dir: Path, num_layers: int = 5, attn_cap: float = 5.0,
     head_dim, a 16-token window and soft-caps low enough to change its scores and logits
     (``test_gemma2_soft_caps_bite`` checks they do): its query weights scaled up so that
     scores reach the attention cap."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(
         "gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=512, hidden_size=64,
@@ -112,9 +110,7 @@ def build_gemma2(out_dir: Path, num_layers: int = 5, attn_cap: float = 5.0,
         final_logit_softcapping=final_cap,
         layer_types=[(SLIDING, GLOBAL)[i % 2] for i in range(num_layers)],
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize_norms(model)
+    model = _random_model(config)
     with torch.no_grad():  # scores large enough for the cap to matter
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(3.0)
@@ -126,7 +122,7 @@ def build_gemma2(out_dir: Path, num_layers: int = 5, attn_cap: float = 5.0,
 def build_gemma1(out_dir: Path) -> Path:
     """A tiny random Gemma 1 of 4 layers: two norms a layer, a head size apart from
     hidden / heads, random norm weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(
         "gemma", architectures=["GemmaForCausalLM"], vocab_size=512, hidden_size=64,
@@ -135,9 +131,7 @@ def build_gemma1(out_dir: Path) -> Path:
         initializer_range=0.1, bos_token_id=0, eos_token_id=2, pad_token_id=0,
         hidden_act="gelu_pytorch_tanh", rope_parameters={"rope_type": "default",
                                                          "rope_theta": 1000.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize_norms(model)
+    model = _random_model(config)
     model.save_pretrained(out_dir)
     build_tokenizer(out_dir)
     return out_dir

@@ -554,19 +554,27 @@ class LLMEngine:
             seq = out.seq
             seq.num_computed_tokens += out.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(out)
-            if out.token_id is not None:
-                if seq.max_tokens == 0:
-                    # Prompt scoring (echo + logprobs): done once the prompt is computed;
-                    # the token sampled from its last position is dropped.
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                else:
-                    self._append_token(seq, out.token_id, out.logprob, out.top_ids,
-                                       out.top_logprobs, now)
-                    self._append_later_tokens(seq, out.later_tokens, now, out.later_tops)
+            if self._take_output(seq, out, now):
                 moved[seq.request_id] = self.requests[seq.request_id]
         return [self._make_output(r, now) for r in moved.values()]
+
+    def _take_output(self, seq: Sequence, out: SeqStepOutput, now: float) -> bool:
+        """A step's prompt logprobs and tokens for ``seq``, appended and stop-checked;
+        whether it sampled a token."""
+        out.seq = seq
+        if out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(out)
+        if out.token_id is None:
+            return False
+        if seq.max_tokens == 0:
+            # Prompt scoring (echo + logprobs): done once the prompt is computed; the
+            # token sampled from its last position is dropped.
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        else:
+            self._append_token(seq, out.token_id, out.logprob, out.top_ids,
+                               out.top_logprobs, now)
+            self._append_later_tokens(seq, out.later_tokens, now, out.later_tops)
+        return True
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule step t and hand it to the worker, then take step t - 1's outputs while
@@ -621,15 +629,7 @@ class LLMEngine:
                 continue  # aborted, or ended by the token before: this one is dropped
             if seq.status == SequenceStatus.RUNNING:  # not swapped or preempted since
                 self.block_manager.cache_full_blocks(seq)
-            if out.prompt_logprobs is not None:
-                out.seq = seq
-                self._add_prompt_logprobs(out)
-            if out.token_id is not None:
-                if seq.max_tokens == 0:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                else:
-                    self._append_token(seq, out.token_id, out.logprob, out.top_ids,
-                                       out.top_logprobs, now)
+            self._take_output(seq, out, now)
             moved[seq.request_id] = self.requests[seq.request_id]
         outputs = [self._make_output(r, now) for r in moved.values()]
         for seq, index in waiting:
