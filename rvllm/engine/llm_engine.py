@@ -675,14 +675,24 @@ class LLMEngine:
     def _verify_rows_cap(self) -> int | None:
         """The most rows (decodes, and speculating sequences' last tokens and drafts) a
         verifying step should have, or None for no cap: packed GGUF weights on the CPU
-        are read packed for up to ``DIRECT_ROWS`` rows, and widened to float32 past that
-        (SmolLM2's Q4_1 on a 2-vCPU Xeon: four rows cost 1.7 one-row steps, five 3.7)."""
+        multiplied by float32 activations (Q8_0, the k-quants) are read packed for up to
+        ``DIRECT_ROWS`` rows and widened to float32 past that (on a 2-vCPU Xeon,
+        SmolLM2's Q4_1 weights read that way: four rows cost 1.7 one-row steps, five
+        3.7). Q4_0 and Q4_1 panels, multiplied by integer activations, are read packed
+        for any number of rows: no cap where all are."""
         config = self.speculative_config
         if (config is None or self.kernel_backend != "numba"
                 or getattr(self.model, "linear_backend", None) != "packed"):
             return None
-        from rvllm.kernels.cpu.packed import DIRECT_ROWS
+        from rvllm.kernels.cpu.packed import DIRECT_ROWS, INT_FORMATS, panel_formats
 
+        formats: set[int] = set()
+        for module in self.model.modules():
+            panels = getattr(module, "panel_weight", None)
+            if getattr(module, "linear_kind", None) == "packed" and panels is not None:
+                formats |= panel_formats(panels.weight)
+        if formats <= set(INT_FORMATS):
+            return None
         if config.num_speculative_tokens >= DIRECT_ROWS:
             logger.info("speculative decoding: at most %d drafts a step on packed weights "
                         "(a step reads them packed for up to %d rows)", DIRECT_ROWS - 1,

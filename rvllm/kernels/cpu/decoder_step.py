@@ -73,7 +73,7 @@ from rvllm.kernels.cpu.gemv import (
     panel_shape,
 )
 from rvllm.kernels.cpu.numerics import _prefetch, kv_array
-from rvllm.kernels.cpu.packed import dequant_panel, is_packed, panel_stride16
+from rvllm.kernels.cpu.packed import dequant_panel, is_packed, panel_stride16, rounded_x
 from rvllm.kernels.cpu.step_parts import (
     _gate_up_share,
     _gate_up_silu,
@@ -172,9 +172,10 @@ def _linear_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
     ``phase``'s (``_item_panels``), from ``item`` (claimed before); whether it ended the
     last one (it then owes the tail)."""
     items, last = _items(w.shape[0], parts), False
+    xq = rounded_x(x, w) if item < items else np.empty((0, 0), np.uint8)
     while item < items:
         lo, hi = _item_panels(w.shape[0], item, parts)
-        _panels_into(x, w, scale, bias, out, lo, hi, sums)
+        _panels_into(x, w, scale, bias, out, lo, hi, sums, xq)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
     return last
@@ -186,9 +187,10 @@ def _gate_up_items(counters, phase, item, x, w, scale, bias, out, parts, sums):
     items are of the gate's panels, each with the same panels of up)."""
     n = out.shape[1] // PANEL
     items, last = _items(n, parts), False
+    xq = rounded_x(x, w) if item < items else np.empty((0, 0), np.uint8)
     while item < items:
         lo, hi = _item_panels(n, item, parts)
-        _gate_up_share(x, w, scale, bias, out, lo, hi, sums)
+        _gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
     return last
@@ -199,9 +201,10 @@ def _head_items(counters, phase, item, x, w, scale, logits, tops, firsts, totals
     """``_linear_items`` for the LM head (``step_parts._head_share``; tops, firsts
     and totals have a row for each item)."""
     items, last = _items(w.shape[0], parts), False
+    xq = rounded_x(x, w) if item < items else np.empty((0, 0), np.uint8)
     while item < items:
         lo, hi = _item_panels(w.shape[0], item, parts)
-        _head_share(x, w, scale, logits, tops, firsts, totals, item, lo, hi, sums)
+        _head_share(x, w, scale, logits, tops, firsts, totals, item, lo, hi, sums, xq)
         last = finish(counters, phase, items)
         item = claim(counters, phase)
     return last

@@ -53,8 +53,10 @@ from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' ca
 from rvllm.kernels.cpu.packed import (
     DIRECT_ROWS,
     dequant_panel,
+    int_panel,
     packed_dots,
     packed_rows,
+    rounded_x,
     x_sums,
 )
 from rvllm.kernels.cpu.panels import Panels, packed_cols
@@ -294,24 +296,30 @@ def _put_panel(out, p, s, rows, b0, sums, scale, bias):
 
 
 @numba.njit(fastmath=True, cache=True)
-def _packed_into(x, w, scale, bias, out, lo, hi, sums):
-    """``_panels_into`` for packed panels (``packed``): with at most ``DIRECT_ROWS``
-    rows of x each panel is read straight from its bytes; with more, it is widened once
-    into a float32 scratch panel, which the float32 passes multiply by every four rows."""
+def _packed_into(x, w, scale, bias, out, lo, hi, sums, xq):
+    """``_panels_into`` for packed panels (``packed``). A panel of ``INT_FORMATS`` is read
+    straight from its bytes for every four rows of x, with x's integer roundings xq
+    (``rounded_x``). Any other is read the same way with float32 x when x has at most
+    ``DIRECT_ROWS`` rows; with more it is widened once into a float32 scratch panel,
+    which the float32 passes multiply by every four rows."""
     batch = x.shape[0]
-    if batch <= DIRECT_ROWS:
-        xs = x_sums(x)
-        for p in range(lo, hi):
-            packed_dots(w, p, x, 0, batch, xs, sums.ctypes.data)
-            _put_panel(out, p, 0, batch, 0, sums, scale, bias)
-        return
-    scratch = np.empty((1, x.shape[1], PANEL), np.float32)
+    xs = x_sums(x) if batch <= DIRECT_ROWS else np.empty((0, 0), np.float32)
+    scratch = np.empty((1, x.shape[1] if batch > DIRECT_ROWS else 0, PANEL), np.float32)
     for p in range(lo, hi):
-        dequant_panel(w, p, scratch)
-        for b0 in range(0, batch, ROWS):
-            rows = min(ROWS, batch - b0)
-            _panel_dots(scratch, 0, x, b0, rows, sums)
-            _put_panel(out, p, 0, rows, b0, sums, scale, bias)
+        if batch <= DIRECT_ROWS:
+            packed_dots(w, p, x, 0, batch, xs, xq, sums.ctypes.data)
+            _put_panel(out, p, 0, batch, 0, sums, scale, bias)
+        elif int_panel(w, p):
+            for b0 in range(0, batch, DIRECT_ROWS):
+                rows = min(DIRECT_ROWS, batch - b0)
+                packed_dots(w, p, x, b0, rows, xs, xq, sums.ctypes.data)
+                _put_panel(out, p, 0, rows, b0, sums, scale, bias)
+        else:
+            dequant_panel(w, p, scratch)
+            for b0 in range(0, batch, ROWS):
+                rows = min(ROWS, batch - b0)
+                _panel_dots(scratch, 0, x, b0, rows, sums)
+                _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -360,19 +368,22 @@ def _float_panels_into(x, w, scale, bias, out, lo, hi, sums):
             _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
-def _panels_into(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+def _panels_into(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
     """Rows [16 lo, 16 hi) of out [B, N] = x [B, K] W^T (times an int8 W's per-row
     scale) (+ bias) from W's panels [lo, hi): ``_float_panels_into``, or
-    ``_packed_into`` for packed panels, chosen when compiled (numba-only)."""
+    ``_packed_into`` for packed panels (xq: ``rounded_x(x, w)``), chosen when compiled
+    (numba-only)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_panels_into, inline="always")
-def _panels_into_overload(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
-    into = _packed_into if w.dtype == types.uint8 else _float_panels_into
-
-    def impl(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
-        into(x, w, scale, bias, out, lo, hi, sums)
+def _panels_into_overload(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+    if w.dtype == types.uint8:
+        def impl(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+            _packed_into(x, w, scale, bias, out, lo, hi, sums, xq)
+    else:
+        def impl(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+            _float_panels_into(x, w, scale, bias, out, lo, hi, sums)
     return impl
 
 
@@ -383,9 +394,10 @@ def _matvec(x, w, scale, bias, out, parts):
     ``parts`` work items (numba's thread count: one each) takes a contiguous share of the
     panels. (The count is an argument: calling ``numba.get_num_threads`` in here would
     keep numba from caching the kernel.)"""
+    xq = rounded_x(x, w)
     for part in numba.prange(parts):
         lo, hi = _share(w.shape[0], part, parts)
-        _panels_into(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32))
+        _panels_into(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32), xq)
 
 
 _EMPTY = np.empty(0, np.float32)

@@ -13,35 +13,47 @@ over 16) and then, for each of the row's blocks in K order, the 16 rows' blocks 
 each field turned lane-innermost. A field of one byte a weight (Q8_0's integers, a
 k-quant's 6-bit sub-block scales, unpacked to a byte each) becomes a 16-byte vector a
 column; two nibbles a byte become a 16-byte vector holding two columns (low and high
-nibble); the float16 scales a 32-byte vector of 16. The bytes are the file's, but for
-Q4_K's and Q5_K's sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and
-+2.3% of those formats' bytes). Rows past N are zero blocks. Panels of one weight may
-differ in format (a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel
-is read by its own header, and panels of a weight are all as long as the longest.
+nibble); the float16 scales a 32-byte vector of 16. Q4_0's and Q4_1's nibble bytes go
+four columns together instead, each row's four bytes one int32 lane (``_dword_groups``),
+as the byte products take them. The bytes are the file's, but for Q4_K's and Q5_K's
+sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and +2.3% of those
+formats' bytes). Rows past N are zero blocks. Panels of one weight may differ in format
+(a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel is read by its
+own header, and panels of a weight are all as long as the longest.
 
 **Formats.** Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (blocks of 256). Each
 weight is ``scale * q - offset`` for an integer q and a (scale, offset) pair per sub-
 block of 16 or 32 columns (Q4_0: d, 8 d; Q4_1: d, -m; Q8_0: d, 0; Q4_K/Q5_K: d sc,
 dmin m; Q6_K: d sc, 32 d sc).
 
-**Arithmetic.** The activations stay float32. For each sub-block and row of x the
-kernel sums ``q * x`` over its columns (the integers widened to float32 in registers,
-one multiply-add per column for 16 rows) and then adds ``scale * sum - offset * (sum
-of x over the sub-block)``; the sums of x over every 16 columns are made once per call.
-So the result is the float32 product with the dequantized weight up to the order of
-the sums (tested within 1e-5 relative of a float64 product with ``models.dequant``'s
-weights). The price is arithmetic: a thread widens about 20 G weights/s of Q4_1 on a
-2-vCPU Xeon with AVX-512 (the unpacking, conversions and multiply-adds all on the two
-ports that run 512-bit operations), and that, not the memory, bounds a one-row step.
-Quantizing the activations to 8 bits per block and multiplying bytes by bytes, as
-llama.cpp does (VNNI), is the way past it, at the cost of that exactness.
+**Arithmetic.** Q4_0 and Q4_1 panels (``INT_FORMATS``: the default SmolLM2 file's layers,
+every int4 weight) multiply x rounded to 16-bit integers per block of 32, held as two
+bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4 rows of x a pass over the
+panel for any number of rows, and gives each row the same number whatever the batch.
+The result is the float32 product of the dequantized weight with that rounded x (tested
+within 1e-5 of a float64 product), about 2e-5 of the largest output off the product with
+x itself on random data. Widening these weights to float32 instead kept a thread at about
+20 G weights/s of Q4_1 from the cache on a 2-vCPU Xeon with AVX-512 VNNI, below its
+memory's read, and each more row of x cost nearly as much again; the byte products run
+one row at about 50 G weights/s from the cache and four rows at about 20 each, so that
+from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G weights/s for one row
+and 18.5 for four (widened: 16 and 11.5).
 
-- ``_dots1`` .. ``_dots4``: one panel times 1-4 rows of x, straight from the packed
-  bytes: the one-row GEMV of decode and the few-row steps.
+Q8_0 and the k-quants keep x in float32. For each sub-block and row of x the kernel sums
+``q * x`` over its columns (the integers widened to float32 in registers, one multiply-
+add per column for 16 rows) and then adds ``scale * sum - offset * (sum of x over the
+sub-block)``; the sums of x over every 16 columns are made once per call. So the result
+is the float32 product with the dequantized weight up to the order of the sums (tested
+within 1e-5 relative of a float64 product with ``models.dequant``'s weights).
+
+- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1 panel times 1-4 rounded rows of x.
+- ``_dots1`` .. ``_dots4``: one panel of another format times 1-4 rows of x, straight
+  from the packed bytes: the one-row GEMV of decode and the few-row steps.
 - ``_dequant_panel``: one panel widened into a float32 scratch panel [K, 16]: with more
-  rows than ``DIRECT_ROWS`` the panel is widened once and then multiplied by every four
-  rows of x with ``gemv``'s float32 passes (past 8 rows, by ``f32_gemm``'s six-row
-  tiles), its scratch in the L1/L2 cache.
+  rows than ``DIRECT_ROWS`` a panel of another format is widened once and then
+  multiplied by every four rows of x with ``gemv``'s float32 passes (past 8 rows, by
+  ``f32_gemm``'s six-row tiles), its scratch in the L1/L2 cache; embedding rows are
+  looked up through it.
 
 ``gemv._panels_into`` and the compiled decode steps take these panels (uint8
 ``Panels``) beside the float32 and int8 ones; ``packed_rows`` dequantizes embedding rows
@@ -62,9 +74,21 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+from rvllm.kernels.cpu.byte_dots import V32, dot_bytes, rounded_rows, splat_i32
 from rvllm.kernels.cpu.numerics import prefetch_line
 from rvllm.kernels.cpu.panels import Panels
-from rvllm.kernels.cpu.vectors import _F32, _FAST, _I64, _VEC, LANES, _fma, _int, _splat
+from rvllm.kernels.cpu.vectors import (
+    _F32,
+    _FAST,
+    _I32,
+    _I64,
+    _VEC,
+    LANES,
+    _fma,
+    _int,
+    _lanes,
+    _splat,
+)
 
 PANEL = LANES
 HEADER = 64  # bytes of a panel's header: format code, K, panel bytes / 16
@@ -78,11 +102,16 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q
                 Q6_K: "Q6_K"}
 # Columns a block covers, bytes of a GGUF block (one row), bytes of a panel block (16).
 BLOCK_COLS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+# Formats multiplied by rounded integer activations (``_int_dots``), and by float32 ones
+# (``_dots``).
+INT_FORMATS = (Q4_0, Q4_1)
+FLOAT_FORMATS = tuple(f for f in BLOCK_COLS if f not in INT_FORMATS)
 TYPE_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 PANEL_BLOCK_BYTES = {Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
 
 _I8 = ir.IntType(8)
 _B16 = ir.VectorType(_I8, LANES)
+_B64 = ir.VectorType(_I8, 4 * LANES)
 _H16 = ir.VectorType(ir.HalfType(), LANES)
 
 
@@ -93,6 +122,14 @@ def _lanes_inner(field: np.ndarray) -> np.ndarray:
     flattened to [P, nb, width * 16]: the 16 rows innermost."""
     p, _, nb, width = field.shape
     return field.transpose(0, 2, 3, 1).reshape(p, nb, width * PANEL)
+
+
+def _dword_groups(field: np.ndarray) -> np.ndarray:
+    """[P, 16, nb, 16] nibble bytes of a 32-column block -> [P, nb, 256]: for each group
+    of 4 byte columns, the 16 rows' 4 bytes in row order (an int32 lane a row)."""
+    p, _, nb, width = field.shape
+    grouped = field.reshape(p, PANEL, nb, width // 4, 4)
+    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(p, nb, width * PANEL)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,10 +153,10 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
     if fmt == Q8_0:
         fields = [_halves_inner(blocks[..., 0:2]), _lanes_inner(blocks[..., 2:34])]
     elif fmt == Q4_0:
-        fields = [_halves_inner(blocks[..., 0:2]), _lanes_inner(blocks[..., 2:18])]
+        fields = [_halves_inner(blocks[..., 0:2]), _dword_groups(blocks[..., 2:18])]
     elif fmt == Q4_1:
         fields = [_halves_inner(blocks[..., 0:2]), _halves_inner(blocks[..., 2:4]),
-                  _lanes_inner(blocks[..., 4:20])]
+                  _dword_groups(blocks[..., 4:20])]
     elif fmt in (Q4_K, Q5_K):
         sc, mn = _k_scales(blocks[..., 4:16])
         quants = [blocks[..., 16:48], blocks[..., 48:176]] if fmt == Q5_K else \
@@ -173,6 +210,11 @@ def int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Quant
     return QuantizedRows(Q4_1, blocks.reshape(n, -1).numpy(), k)
 
 
+def panel_formats(weight: np.ndarray) -> set[int]:
+    """The GGML type codes of a packed weight's panels, from their headers."""
+    return set(weight.reshape(weight.shape[0], -1)[:, 0:8].view(np.int64)[:, 0].tolist())
+
+
 def packable(fmt: int, cols: int) -> bool:
     """Whether rows of this GGML type and width can be kept packed."""
     return fmt in BLOCK_COLS and cols % BLOCK_COLS[fmt] == 0
@@ -220,14 +262,15 @@ def pack_rows(parts: list[QuantizedRows], rows: int) -> Panels:
 @dataclass
 class _Loop:
     """``count`` columns of each of a few streams, one sub-block each: stream s covers
-    columns cols[s] + i (i < count) of the block, whose weights are scales[s] * q -
-    offsets[s] (None: no offset), q from ``decode(i)``[s]."""
+    columns cols[s] + step * i (i < count) of the block, whose weights are scales[s] * q
+    - offsets[s] (None: no offset), q from ``decode(i)``[s]."""
 
     count: int
     cols: list[int]
     scales: list[ir.Value]
     offsets: list[ir.Value | None]
     decode: Callable[[ir.Value], list[ir.Value]]
+    step: int = 1
 
 
 def _bytes(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
@@ -265,6 +308,15 @@ def _scalar_splat(value: float) -> ir.Constant:
     return ir.Constant(_VEC, [value] * LANES)
 
 
+def _group_columns(builder: ir.IRBuilder, base: ir.Value, i: ir.Value) -> list[ir.Value]:
+    """The 16 lanes' bytes of each of the 4 byte columns of group i of a ``_dword_groups``
+    field: byte j of each row's int32."""
+    group = builder.load(builder.inttoptr(_at(builder, base, builder.mul(i, _int(64))),
+                                          _B64.as_pointer()), align=1)
+    return [builder.shuffle_vector(group, group, _lanes([4 * r + j for r in range(PANEL)]))
+            for j in range(4)]
+
+
 def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
     """The loops of one panel block of ``fmt`` at address ``blk``."""
     lo = _byte_splat(0x0F)
@@ -280,11 +332,12 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             nib = _at(builder, blk, 64)
 
         def nibbles(i: ir.Value) -> list[ir.Value]:
-            b = _column_bytes(builder, nib, 0, i)
-            return [_unsigned(builder, builder.and_(b, lo)),
-                    _unsigned(builder, builder.lshr(b, four))]
+            cols = _group_columns(builder, nib, i)
+            return ([_unsigned(builder, builder.and_(b, lo)) for b in cols]
+                    + [_unsigned(builder, builder.lshr(b, four)) for b in cols])
 
-        return [_Loop(16, [0, 16], [d, d], [offset, offset], nibbles)]
+        return [_Loop(4, [0, 1, 2, 3, 16, 17, 18, 19], [d] * 8, [offset] * 8, nibbles,
+                      step=4)]
     if fmt == Q8_0:
         d = _halves(builder, blk)
         q = _at(builder, blk, 32)
@@ -355,9 +408,10 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
 
 
 def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
-                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None]) -> None:
+                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None],
+                     formats: tuple[int, ...] = tuple(BLOCK_COLS)) -> None:
     """Run ``body(fmt, first block's address, block count, panel bytes)`` for the format
-    the panel's header names (a switch over the formats; an unknown code does nothing)."""
+    the panel's header names (a switch over ``formats``; any other code does nothing)."""
     fmt = builder.load(builder.inttoptr(panel, _I64.as_pointer()), align=8)
     cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()), align=8)
     stride16 = builder.load(builder.inttoptr(_at(builder, panel, 16), _I64.as_pointer()),
@@ -366,7 +420,7 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
     data = _at(builder, panel, HEADER)
     end = builder.append_basic_block("packed.end")
     switch = builder.switch(fmt, end)
-    for code in BLOCK_COLS:
+    for code in formats:
         case = builder.append_basic_block(f"packed.{FORMAT_NAMES[code]}")
         switch.add_case(ir.Constant(_I64, code), case)
         builder.position_at_end(case)
@@ -439,7 +493,7 @@ def _dots(rows: int):
                                     total = _fma(builder, neg, _splat(builder, xsum), total)
                                 builder.store(total, acc[b])
 
-            _for_each_format(builder, panel, walk)
+            _for_each_format(builder, panel, walk, FLOAT_FORMATS)
             for b in range(rows):
                 at = builder.add(out, _int(b * PANEL * 4))
                 builder.store(builder.load(acc[b]), builder.inttoptr(at, _VEC.as_pointer()),
@@ -452,6 +506,100 @@ def _dots(rows: int):
 
 
 _dots1, _dots2, _dots3, _dots4 = (_dots(rows) for rows in range(1, DIRECT_ROWS + 1))
+
+
+def _int_dots(rows: int):
+    """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0 or Q4_1, at address
+    ``panel``) times rounded row b of x (``byte_dots.quantize_rows``: at xq + b * xq_step,
+    bytes), for ``rows`` rows; out float32 [rows, 16].
+
+    A block's 4 groups of 4 byte columns are 4 vectors of one int32 lane a row: their low
+    nibbles are columns 4g..4g+3, their high ones 16 + 4g..; each is multiplied by the
+    row's same 4 bytes in every lane (``dot_bytes``): 8 products of 64 bytes for the
+    block's high bytes of x, the sums shifted left by 8, 8 more for its low bytes. The
+    block's integer sum s then adds ``d * dx * s + offset * (dx * sum q)`` to the row's
+    float32 lanes (offset m for Q4_1, -8 d for Q4_0), in block order whatever the number
+    of rows: each row's result is the same number alone or in any batch."""
+
+    @intrinsic
+    def dots(typingctx, panel, xq, xq_step, out):
+        def codegen(context, builder, signature, args):
+            panel, xq, xq_step, out = args
+            zero = ir.Constant(_VEC, [0.0] * LANES)
+            izero = ir.Constant(V32, [0] * LANES)
+            mask = ir.Constant(V32, [0x0F0F0F0F] * LANES)
+            four = ir.Constant(V32, [4] * LANES)
+            eight = ir.Constant(V32, [8] * LANES)
+            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
+            cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()),
+                                align=8)
+
+            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
+                for a in acc:
+                    builder.store(zero, a)
+                with cgutils.for_range(builder, blocks) as block:
+                    blk = builder.add(data, builder.mul(block.index,
+                                                        _int(PANEL_BLOCK_BYTES[fmt])))
+                    ahead = builder.add(blk, stride)
+                    for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
+                        prefetch_line(builder, builder.add(ahead, _int(64 * line)))
+                    d = _halves(builder, blk)
+                    if fmt == Q4_1:
+                        offset = _halves(builder, _at(builder, blk, 32))
+                        nib = _at(builder, blk, 64)
+                    else:
+                        offset = _fmul(builder, d, _scalar_splat(-8.0))
+                        nib = _at(builder, blk, 32)
+                    lows, highs = [], []
+                    for g in range(4):
+                        v = builder.load(builder.inttoptr(_at(builder, nib, 64 * g),
+                                                          V32.as_pointer()), align=1)
+                        lows.append(builder.and_(v, mask))
+                        highs.append(builder.and_(builder.lshr(v, four), mask))
+                    for b in range(rows):
+                        row = builder.add(xq, builder.mul(_int(b), xq_step))
+                        # Four chains of products (high and low bytes of x, even and
+                        # odd groups): one chain for a one-row pass waited on each
+                        # product's latency.
+                        chains = []
+                        for half in range(2):  # the high bytes, then the low ones
+                            qs = builder.add(builder.add(row, builder.mul(cols, _int(half))),
+                                             builder.mul(block.index, _int(32)))
+                            words = [builder.load(builder.inttoptr(
+                                _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
+                                for c in range(8)]  # x's bytes 4c..4c+3 of the block
+                            pair = [izero, izero]
+                            for g in range(8):  # low nibbles by x's bytes 4g.., high 16 + 4g..
+                                nibbles = lows[g % 4] if g < 4 else highs[g % 4]
+                                pair[g % 2] = dot_bytes(context, builder, pair[g % 2], nibbles,
+                                                        splat_i32(builder, words[g]))
+                            chains.append(builder.add(pair[0], pair[1]))
+                        high, low = chains  # 255 * high + low
+                        total = builder.add(builder.sub(builder.shl(high, eight), high), low)
+                        scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
+                                             builder.mul(block.index, _int(8)))
+                        dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
+                        scaled = _fmul(builder, d, _splat(builder, dx))
+                        value = _fma(builder, scaled, builder.sitofp(total, _VEC),
+                                     builder.load(acc[b]))
+                        sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
+                                                           _F32.as_pointer()), align=4)
+                        builder.store(_fma(builder, offset, _splat(builder, sx), value), acc[b])
+
+            _for_each_format(builder, panel, walk, INT_FORMATS)
+            for b in range(rows):
+                at = builder.add(out, _int(b * PANEL * 4))
+                builder.store(builder.load(acc[b]), builder.inttoptr(at, _VEC.as_pointer()),
+                              align=4)
+            return context.get_dummy_value()
+
+        return types.void(*(types.int64,) * 4), codegen
+
+    return dots
+
+
+_int_dots1, _int_dots2, _int_dots3, _int_dots4 = (_int_dots(rows)
+                                                  for rows in range(1, DIRECT_ROWS + 1))
 
 
 @intrinsic
@@ -475,7 +623,8 @@ def _dequant_panel(typingctx, panel, out):
                         for s, q in enumerate(loop.decode(i)):
                             value = (_fmul(builder, loop.scales[s], q) if negs[s] is None
                                      else _fma(builder, loop.scales[s], q, negs[s]))
-                            col = builder.add(col0, builder.add(i, _int(loop.cols[s])))
+                            col = builder.add(col0, builder.add(
+                                builder.mul(i, _int(loop.step)), _int(loop.cols[s])))
                             at = builder.add(out, builder.mul(col, _int(PANEL * 4)))
                             builder.store(value, builder.inttoptr(at, _VEC.as_pointer()),
                                           align=4)
@@ -519,6 +668,15 @@ def panel_stride16(address):
     return _header(address, 2)
 
 
+@numba.njit(cache=True, inline="always")
+def rounded_x(x, w):
+    """x's rows rounded to integers (``byte_dots.rounded_rows``) where w is packed, to be
+    passed to ``packed_dots`` beside x; else an empty array."""
+    if is_packed(w):
+        return rounded_rows(x)
+    return np.empty((0, 0), np.uint8)
+
+
 @numba.njit(fastmath=True, cache=True, inline="always")
 def x_sums(x):
     """Sums of each row of x [B, K] over every 16 columns: [B, ceil(K / 16)]."""
@@ -534,11 +692,32 @@ def x_sums(x):
     return out
 
 
+@numba.njit(cache=True, inline="always")
+def int_panel(w, p):
+    """Whether packed panel p of w is multiplied by rounded activations
+    (``INT_FORMATS``)."""
+    fmt = _header(w.ctypes.data + p * w.shape[1] * PANEL, 0)
+    return fmt == Q4_0 or fmt == Q4_1
+
+
 @numba.njit(cache=True)
-def packed_dots(w, p, x, b0, rows, xs, out_address):
+def packed_dots(w, p, x, b0, rows, xs, xq, out_address):
     """16 sums per row (float32 [rows, 16] at ``out_address``) of x[b0 : b0 + rows]
-    (rows <= 4) times packed panel p of w, read straight from its bytes."""
+    (rows <= 4) times packed panel p of w, read straight from its bytes: with the rows'
+    integer roundings xq (``byte_dots.quantize_rows``) for a panel of ``INT_FORMATS``,
+    else with x itself and its sums over every 16 columns xs (``x_sums``)."""
     panel = w.ctypes.data + p * w.shape[1] * PANEL
+    if int_panel(w, p):
+        qa, q_step = xq.ctypes.data + b0 * xq.strides[0], xq.strides[0]
+        if rows == 1:
+            _int_dots1(panel, qa, q_step, out_address)
+        elif rows == 2:
+            _int_dots2(panel, qa, q_step, out_address)
+        elif rows == 3:
+            _int_dots3(panel, qa, q_step, out_address)
+        else:
+            _int_dots4(panel, qa, q_step, out_address)
+        return
     xa, step = x.ctypes.data + b0 * x.strides[0], x.strides[0]
     xsa, xs_step = xs.ctypes.data + b0 * xs.strides[0], xs.strides[0]
     if rows == 1:

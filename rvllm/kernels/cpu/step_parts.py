@@ -27,7 +27,14 @@ from rvllm.kernels.cpu.gemv import (
     _streams,
 )
 from rvllm.kernels.cpu.numerics import exp32, narrow_kv
-from rvllm.kernels.cpu.packed import DIRECT_ROWS, dequant_panel, packed_dots, x_sums
+from rvllm.kernels.cpu.packed import (
+    DIRECT_ROWS,
+    dequant_panel,
+    int_panel,
+    packed_dots,
+    rounded_x,
+    x_sums,
+)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
@@ -54,23 +61,25 @@ def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
 
 
 @numba.njit(fastmath=True, cache=True)
-def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums):
-    """``_gate_up_share`` over packed panels (``packed``): each gate panel and its up
-    panel read from their bytes for at most ``DIRECT_ROWS`` rows of x, else widened into
-    float32 scratch panels first."""
+def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq):
+    """``_gate_up_share`` over packed panels (``packed``; xq: ``rounded_x``): each gate
+    panel and its up panel read from their bytes for every four rows of x where both are
+    of ``INT_FORMATS`` or x has at most ``DIRECT_ROWS`` rows, else widened into float32
+    scratch panels first."""
     batch = x.shape[0]
     gate_panels = out.shape[1] // PANEL
-    if batch <= DIRECT_ROWS:
-        xs = x_sums(x)
-        for p in range(lo, hi):
-            packed_dots(w, p, x, 0, batch, xs, sums.ctypes.data)
-            packed_dots(w, p + gate_panels, x, 0, batch, xs,
-                        sums.ctypes.data + batch * PANEL * 4)
-            _silu_panel(out, p, 0, batch, 0, sums, scale, bias, gate_panels * PANEL)
-        return
-    scratch = np.empty((2, x.shape[1], PANEL), np.float32)  # a gate panel, its up panel
+    xs = x_sums(x)
+    scratch = np.empty((2, x.shape[1] if batch > DIRECT_ROWS else 0, PANEL), np.float32)
     for p in range(lo, hi):
-        dequant_panel(w, p, scratch[0:1])
+        if batch <= DIRECT_ROWS or (int_panel(w, p) and int_panel(w, p + gate_panels)):
+            for b0 in range(0, batch, DIRECT_ROWS):
+                rows = min(DIRECT_ROWS, batch - b0)
+                packed_dots(w, p, x, b0, rows, xs, xq, sums.ctypes.data)
+                packed_dots(w, p + gate_panels, x, b0, rows, xs, xq,
+                            sums.ctypes.data + rows * PANEL * 4)
+                _silu_panel(out, p, 0, rows, b0, sums, scale, bias, gate_panels * PANEL)
+            continue
+        dequant_panel(w, p, scratch[0:1])  # a gate panel, its up panel
         dequant_panel(w, p + gate_panels, scratch[1:2])
         for b0 in range(0, batch, ROWS):
             rows = min(ROWS, batch - b0)
@@ -78,19 +87,21 @@ def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums):
             _silu_panel(out, p, 0, rows, b0, sums, scale, bias, gate_panels * PANEL)
 
 
-def _gate_up_share(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
+def _gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
     """Gate panels [lo, hi) of ``_gate_up_silu`` (and the up panels beside them):
-    ``_float_gate_up_share``, or ``_packed_gate_up_share`` for packed panels, chosen
-    when compiled (numba-only)."""
+    ``_float_gate_up_share``, or ``_packed_gate_up_share`` for packed panels (xq:
+    ``rounded_x(x, w)``), chosen when compiled (numba-only)."""
     raise NotImplementedError("numba-only")
 
 
 @overload(_gate_up_share, inline="always")
-def _gate_up_share_overload(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
-    share = _packed_gate_up_share if w.dtype == types.uint8 else _float_gate_up_share
-
-    def impl(x, w, scale, bias, out, lo, hi, sums):  # noqa: ANN001, ANN202
-        share(x, w, scale, bias, out, lo, hi, sums)
+def _gate_up_share_overload(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+    if w.dtype == types.uint8:
+        def impl(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+            _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq)
+    else:
+        def impl(x, w, scale, bias, out, lo, hi, sums, xq):  # noqa: ANN001, ANN202
+            _float_gate_up_share(x, w, scale, bias, out, lo, hi, sums)
     return impl
 
 
@@ -123,9 +134,10 @@ def _gate_up_silu(x, w, scale, bias, out, parts):
     ``parts`` work items takes a share of the gate panels and the up panels beside them
     (``_gate_up_share``)."""
     gate_panels = out.shape[1] // PANEL
+    xq = rounded_x(x, w)
     for part in prange(parts):
         lo, hi = _share(gate_panels, part, parts)
-        _gate_up_share(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32))
+        _gate_up_share(x, w, scale, bias, out, lo, hi, np.empty((SUMS, PANEL), np.float32), xq)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
@@ -181,12 +193,13 @@ def _rope_and_cache(qkv, q, scale, key_cache, value_cache, positions, slots, cos
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")
-def _head_share(x, w, scale, logits, tops, firsts, totals, part, lo, hi, sums):
+def _head_share(x, w, scale, logits, tops, firsts, totals, part, lo, hi, sums, xq):
     """Panels [lo, hi) of the LM head's logits [B, V] = x [B, H] W^T (panels w; int8:
-    times its scale); then, while they are in the cache, each row's largest logit of the
+    times its scale; packed: xq is ``rounded_x(x, w)``); then, while they are in the
+    cache, each row's largest logit of the
     share (tops[part, b]), the first index holding it (firsts; -1 for an empty share)
     and the sum of exp(logit - largest) (totals). Empty tops: the logits only."""
-    _panels_into(x, w, scale, np.empty(0, np.float32), logits, lo, hi, sums)
+    _panels_into(x, w, scale, np.empty(0, np.float32), logits, lo, hi, sums, xq)
     if tops.shape[0] == 0:
         return
     vocab = logits.shape[1]
@@ -236,8 +249,9 @@ def _head_greedy(x, w, scale, logits, token_ids, logprobs, parts):
     tops = np.empty((parts, batch), np.float32)
     totals = np.empty((parts, batch), np.float32)
     firsts = np.empty((parts, batch), np.int64)
+    xq = rounded_x(x, w)
     for part in prange(parts):
         lo, hi = _share(w.shape[0], part, parts)
         _head_share(x, w, scale, logits, tops, firsts, totals, part, lo, hi,
-                    np.empty((SUMS, PANEL), np.float32))
+                    np.empty((SUMS, PANEL), np.float32), xq)
     _merge_greedy(tops, firsts, totals, token_ids, logprobs)

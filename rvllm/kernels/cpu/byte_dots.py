@@ -1,0 +1,169 @@
+"""Activations rounded to 16-bit integers per block of 32, held as two bytes, and
+byte-by-byte dot products in LLVM IR: what the packed 4-bit kernels (``packed``)
+multiply with.
+
+Widening every 4-bit weight to float32 for one multiply-add a row of activations kept
+the packed kernels bound by their arithmetic: a thread widened about 20 G weights/s of
+Q4_1, and each more row of x cost nearly as much again. Rounding each row of x to
+integers per block of 32 turns a block's products into integer multiply-adds of bytes,
+64 at a time:
+
+- ``quantize_rows``: each block of 32 values of a row becomes 32 integers ``q =
+  rint(x * 32385 / amax)`` (within +-32385 = 127 * 255) and the float32 pair (``d = amax /
+  32385``, ``d * sum(q)``). Each q is split as ``255 h + l`` with h = q / 255 rounded and
+  both bytes signed within +-127. A row's bytes are its K high bytes, its K low bytes,
+  then its K / 32 pairs (``x_row_bytes``).
+- ``dot_bytes``: 16 int32 lanes, each plus the sum of its four unsigned bytes of one
+  vector times the four signed bytes of another: one ``vpdpbusd`` with AVX-512 VNNI;
+  without it ``vpmaddubsw`` then ``vpmaddwd`` (AVX-512BW, or AVX2 on two halves), and
+  plain integer IR on anything else. Weights of 4 bits (0-15) times bytes within +-127
+  never saturate ``vpmaddubsw``'s 16-bit pairs.
+
+Every machine computes the same integers, so a packed product is the same float32 number
+on every CPU. A weight row's block product is ``255 * (w . h) + (w . l) = w . q``,
+exactly: the activations carry 16 bits, as the int8 weights' GEMMs (``int8_gemm``) keep
+them, for twice the byte products of 8-bit ones (llama.cpp's Q8 activations). Eight bits
+alone moved SmolLM2's logprobs by up to 0.3 a token and turned near-ties: its answer to
+"What is the capital of France?" began with "L'" where float32's begins with "The"
+(-1.99 against -2.06, float32: -1.97 against -1.88).
+
+Which instructions is decided when numba compiles (the features it compiles for:
+``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, else the host's); numba's cache keeps
+machine code per CPU name and features, so a cache made on one machine is not run on
+another.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+
+from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
+
+BLOCK = 32  # columns of x rounded together
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+V32 = ir.VectorType(_I32, 16)  # 16 int32 lanes: one AVX-512 register, two AVX2 ones
+_B64 = ir.VectorType(_I8, 64)
+_B32 = ir.VectorType(_I8, 32)
+_W32 = ir.VectorType(_I16, 32)
+_W16 = ir.VectorType(_I16, 16)
+_V8 = ir.VectorType(_I32, 8)
+
+
+SCALE = 32385  # 127 * 255: the largest magnitude of a block's integers
+
+
+def x_row_bytes(k: int) -> int:
+    """Bytes of one rounded row of K values (``quantize_rows``), a multiple of 64."""
+    return -(-(2 * k + 8 * (k // BLOCK)) // 64) * 64
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def quantize_rows(x, out):
+    """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
+    uint8: row b's K high bytes, K low bytes (int8) and K / 32 float32 pairs (d, d * sum
+    of the block's integers). A block of zeros is integers 0 with d = 0."""
+    k = x.shape[1]
+    blocks = k // BLOCK
+    for b in range(x.shape[0]):
+        high = out[b, :k].view(np.int8)
+        low = out[b, k:2 * k].view(np.int8)
+        pairs = out[b, 2 * k:2 * k + 8 * blocks].view(np.float32)
+        for j in range(blocks):
+            amax = np.float32(0.0)
+            for i in range(j * BLOCK, j * BLOCK + BLOCK):
+                amax = max(amax, abs(x[b, i]))
+            inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
+            total = 0
+            for i in range(j * BLOCK, j * BLOCK + BLOCK):
+                q = np.int32(np.rint(x[b, i] * inv))
+                h = (q + 127 + 255 * 128) // 255 - 128  # q / 255 rounded: |q - 255 h| <= 127
+                high[i] = h
+                low[i] = q - 255 * h
+                total += q
+            d = amax / np.float32(SCALE)
+            pairs[2 * j] = d
+            pairs[2 * j + 1] = d * np.float32(total)
+
+
+@numba.njit(cache=True)
+def rounded_rows(x):
+    """``quantize_rows`` of x into a new buffer [B, x_row_bytes(K)]."""
+    k = x.shape[1]
+    out = np.empty((x.shape[0], (2 * k + 8 * (k // BLOCK) + 63) // 64 * 64), np.uint8)
+    quantize_rows(x, out)
+    return out
+
+
+@numba.njit(parallel=True, cache=True)
+def rounded_rows_parallel(x, parts):
+    """``rounded_rows`` for many rows, ``parts`` shares of them side by side."""
+    k, m = x.shape[1], x.shape[0]
+    out = np.empty((m, (2 * k + 8 * (k // BLOCK) + 63) // 64 * 64), np.uint8)
+    for part in numba.prange(parts):
+        lo, hi = m * part // parts, m * (part + 1) // parts
+        quantize_rows(x[lo:hi], out[lo:hi])
+    return out
+
+
+def _features(context) -> str:  # noqa: ANN001 - numba's target context
+    """The CPU features numba compiles for ("+avx2,+avx512vnni,..."), or ""."""
+    return getattr(context.codegen(), "_tm_features", "") or ""
+
+
+def _vnni(context) -> bool:  # noqa: ANN001
+    return "+avx512vnni" in _features(context)
+
+
+def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, args)
+
+
+def _lanes(values: list[int]) -> ir.Constant:
+    return ir.Constant(ir.VectorType(_I32, len(values)), values)
+
+
+def _halves(builder: ir.IRBuilder, v: ir.Value) -> tuple[ir.Value, ir.Value]:
+    low = builder.shuffle_vector(v, v, _lanes(list(range(8))))
+    high = builder.shuffle_vector(v, v, _lanes(list(range(8, 16))))
+    return low, high
+
+
+def dot_bytes(context, builder: ir.IRBuilder, acc: ir.Value, a: ir.Value,  # noqa: ANN001
+              b: ir.Value) -> ir.Value:
+    """acc (<16 x i32>) plus, in each lane, the sum of the lane's four bytes of a
+    (unsigned, at most 15 here) times its four bytes of b (signed)."""
+    features = _features(context)
+    if _vnni(context):
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.512", V32, [acc, a, b])
+    if "+avx512bw" in features:
+        pairs = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", _W32,
+                      [builder.bitcast(a, _B64), builder.bitcast(b, _B64)])
+        ones = ir.Constant(_W32, [1] * 32)
+        return builder.add(acc, _call(builder, "llvm.x86.avx512.pmaddw.d.512", V32,
+                                      [pairs, ones]))
+    if "+avx2" in features:
+        ones = ir.Constant(_W16, [1] * 16)
+        sums = []
+        for ah, bh in zip(_halves(builder, a), _halves(builder, b)):
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16,
+                          [builder.bitcast(ah, _B32), builder.bitcast(bh, _B32)])
+            sums.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8, [pairs, ones]))
+        whole = builder.shuffle_vector(sums[0], sums[1], _lanes(list(range(16))))
+        return builder.add(acc, whole)
+    wide = ir.VectorType(_I32, 64)
+    products = builder.mul(builder.zext(builder.bitcast(a, _B64), wide),
+                           builder.sext(builder.bitcast(b, _B64), wide))
+    for j in range(4):
+        part = builder.shuffle_vector(products, products, _lanes([4 * i + j for i in range(16)]))
+        acc = builder.add(acc, part)
+    return acc
+
+
+def splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """<16 x i32> of one int32 in every lane."""
+    vector = builder.insert_element(ir.Constant(V32, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vector, vector, _lanes([0] * 16))
+
