@@ -429,6 +429,13 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
     builder.position_at_end(end)
 
 
+def _store_rows(builder: ir.IRBuilder, acc: list[ir.Value], out: ir.Value) -> None:
+    """out[b, 0:16] (float32, an address) = accumulator b, for each b."""
+    for b, a in enumerate(acc):
+        at = builder.add(out, _int(b * PANEL * 4))
+        builder.store(builder.load(a), builder.inttoptr(at, _VEC.as_pointer()), align=4)
+
+
 def _dots(rows: int):
     """An intrinsic: out[b, 0:16] = x[b] . the panel's 16 rows, for the ``rows`` rows of
     x at x + b * x_step (bytes; float32), xs their sums over every 16 columns at xs + b *
@@ -494,10 +501,7 @@ def _dots(rows: int):
                                 builder.store(total, acc[b])
 
             _for_each_format(builder, panel, walk, FLOAT_FORMATS)
-            for b in range(rows):
-                at = builder.add(out, _int(b * PANEL * 4))
-                builder.store(builder.load(acc[b]), builder.inttoptr(at, _VEC.as_pointer()),
-                              align=4)
+            _store_rows(builder, acc, out)
             return context.get_dummy_value()
 
         return types.void(*(types.int64,) * 6), codegen
@@ -587,10 +591,7 @@ def _int_dots(rows: int):
                         builder.store(_fma(builder, offset, _splat(builder, sx), value), acc[b])
 
             _for_each_format(builder, panel, walk, INT_FORMATS)
-            for b in range(rows):
-                at = builder.add(out, _int(b * PANEL * 4))
-                builder.store(builder.load(acc[b]), builder.inttoptr(at, _VEC.as_pointer()),
-                              align=4)
+            _store_rows(builder, acc, out)
             return context.get_dummy_value()
 
         return types.void(*(types.int64,) * 4), codegen

@@ -68,7 +68,7 @@ def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq):
     scratch panels first."""
     batch = x.shape[0]
     gate_panels = out.shape[1] // PANEL
-    xs = x_sums(x)
+    xs = x_sums(x) if batch <= DIRECT_ROWS else np.empty((0, 0), np.float32)
     scratch = np.empty((2, x.shape[1] if batch > DIRECT_ROWS else 0, PANEL), np.float32)
     for p in range(lo, hi):
         if batch <= DIRECT_ROWS or (int_panel(w, p) and int_panel(w, p + gate_panels)):
