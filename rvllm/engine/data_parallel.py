@@ -162,8 +162,13 @@ class DataParallelEngine:
         with self._lock:
             self._stopping = True
             replicas = list(self.replicas) + list(self._starting.values())
-        for replica in replicas:
-            replica.shutdown(timeout)
+        # All at once: each ends its streams first, then waits for its process.
+        stops = [threading.Thread(target=r.shutdown, args=(timeout,), daemon=True)
+                 for r in replicas]
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
 
     def replica_loads(self) -> list[int]:
         """Live requests per replica (for tests and logs)."""

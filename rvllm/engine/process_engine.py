@@ -236,6 +236,9 @@ class ProcessEngine:
             self._stopping = True
             self._cond.notify()
         _live.discard(self)
+        # The streams end first: stopping the child (and any tensor-parallel workers it
+        # holds) can take longer than the server's grace has left.
+        self._fail_all(EngineDeadError("the server is shutting down."))
         if self._sender.is_alive() and self._sender is not threading.current_thread():
             self._sender.join(min(timeout, 5.0))
         if not already:
