@@ -123,8 +123,8 @@ def instrument(source: str) -> str:
     # _step_to_logits passes the trace on; the other callers pass a scratch one.
     begin = source.index("def _step_to_logits(")
     call = source.index("def stack_linears(")
-    caller = _replace_once(source[begin:call], "greedy_logprobs, parts):",
-                           "greedy_logprobs, parts, trace):")
+    caller = _replace_once(source[begin:call], "greedy_logprobs, parts, region_rows):",
+                           "greedy_logprobs, parts, region_rows, trace):")
     caller = _replace_once(caller, "        _one_region(*args)\n",
                            "        _one_region(*args, trace)\n")
     source = source[:begin] + caller + source[call:]
@@ -132,13 +132,13 @@ def instrument(source: str) -> str:
         source, "    if hidden.shape[0] == 1:\n        _one_region(*args)\n",
         "    if hidden.shape[0] == 1:\n        _one_region(*args, np.zeros("
         "(parts, norms1.shape[0] + 1, 16), np.int64))\n")
-    source = _replace_once(source, "head.scale, logits, ids, logprobs, threads)",
-                           "head.scale, logits, ids, logprobs, threads, TRACE)")
+    source = _replace_once(source, "head.scale, logits, ids, logprobs, threads, region)",
+                           "head.scale, logits, ids, logprobs, threads, region, TRACE)")
     return _replace_once(source,
                          "np.empty(1, np.int64), np.empty(1, np.float32),\n"
-                         "                        numba.get_num_threads())",
+                         "                        numba.get_num_threads(), 1)",
                          "np.empty(1, np.int64), np.empty(1, np.float32),\n"
-                         "                        numba.get_num_threads(), TRACE)")
+                         "                        numba.get_num_threads(), 1, TRACE)")
 
 
 def traced_copy(folder: Path) -> None:

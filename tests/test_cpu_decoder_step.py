@@ -261,7 +261,8 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
     """The compiled step runs in one parallel region whose work items are claimed by
     whichever thread is free (``kernels/cpu/sync.py``). With one region iteration, or
     more than numba has threads (some then run one after another on a thread), it ends,
-    and gives the logits and greedy tokens of numba's own count; three rows and one."""
+    and gives the logits and greedy tokens of numba's own count; three rows (in the
+    region, as packed weights' steps of a few rows run) and one."""
     import numba
     import numpy as np
 
@@ -282,7 +283,7 @@ def test_step_gives_the_same_logits_whatever_its_count_of_work_items(llama_dir: 
                 plan.arrays.embedding.numpy(), ids[rows].numpy(),
                 *step._layer_args(plan.arrays, plan.caches(), md.decode_block_tables.numpy(),
                                   positions[rows].numpy(), md.slot_mapping.numpy()),
-                head.weight, head.scale, logits, tokens, logprobs, count)
+                head.weight, head.scale, logits, tokens, logprobs, count, len(rows))
             return logits, tokens.tolist(), logprobs
 
         want_logits, want_tokens, want_logprobs = run(numba.get_num_threads())

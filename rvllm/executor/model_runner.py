@@ -29,6 +29,7 @@ from rvllm.layers.sampler import (
     top_logprobs,
     verify_drafts,
 )
+from rvllm.spec_decode.rejection import verify_greedy
 
 if TYPE_CHECKING:
     from rvllm.kernels.cpu.decoder_step import DecodeLogits
@@ -252,9 +253,16 @@ class ModelRunner:
             ids[i], pos[i], slots[i] = seq.token_ids[p], p, table[p // bs] * bs + p % bs
             used = table[:width]
             tables[i, :len(used)] = used
-        compiled = decode_logits(ids, pos, slots, tables, False)
+        # Greedy rows alone: the call finds each row's argmax and its logprob, and the
+        # drafts are checked against those, no logits read back.
+        greedy = all(plain_greedy(s.seq.params, s.seq.num_output_tokens) for s in ordered)
+        compiled = decode_logits(ids, pos, slots, tables, greedy)
         if compiled is None:
             return None
+        if compiled.greedy is not None:
+            found, logprobs = compiled.greedy
+            return self._sample(ordered, plan, None, ([found[r] for r in plan.rows],
+                                                      [logprobs[r] for r in plan.rows]))
         with torch.inference_mode():
             logits = compiled.logits[torch.tensor(plan.rows, dtype=torch.long)]
             return self._sample(ordered, plan, logits)
@@ -424,13 +432,20 @@ class ModelRunner:
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
                 logits: torch.Tensor | None,
                 greedy: tuple[list[int], list[float]] | None = None) -> list[SeqStepOutput]:
-        """Each sequence's output of the step from its logits rows; ``greedy``: every row
-        samples and is ``plain_greedy``, and these are their argmax tokens and logprobs
-        (the compiled decode found them): they are the samples."""
+        """Each sequence's output of the step from its logits rows; ``greedy``: every
+        sequence is ``plain_greedy``, and these are the argmax tokens and their logprobs
+        of ``plan.rows`` (the compiled decode found them): a sampling row's is its sample,
+        and a speculating sequence's drafts are kept while they equal them."""
         outputs = [SeqStepOutput(s.seq, s.num_new_tokens) for s in ordered]
         if greedy is not None:
-            for out, token_id, logprob in zip(outputs, *greedy):
-                out.token_id, out.logprob = token_id, logprob
+            found, logprobs = greedy
+            for i, (first, count) in plan.spec.items():
+                draft = outputs[i].seq.spec_tokens[:count - 1]
+                tokens = verify_greedy(found[first:first + count], draft)
+                _commit_verified(outputs[i], draft, tokens, logprobs[first:first + len(tokens)])
+            for j, i in enumerate(plan.sampling):
+                row = plan.sample_offset + j
+                outputs[i].token_id, outputs[i].logprob = found[row], logprobs[row]
             return outputs
         for i, (first, count, next_ids) in plan.prompt.items():
             out = outputs[i]
@@ -447,18 +462,11 @@ class ModelRunner:
             draft = seq.spec_tokens[:count - 1]
             tokens, logprobs = verify_drafts(logits[first:first + count], draft, seq.params,
                                              seq.generator, seq.grammar)
-            # The kept drafts' positions count as computed, one at a time, as the engine
-            # appends each token (later_tokens), like a multi-step decode.
-            out.num_new_tokens = 1
-            out.token_id, out.logprob = tokens[0], logprobs[0]
-            out.later_tokens = tuple(zip(tokens[1:], logprobs[1:]))
+            _commit_verified(out, draft, tokens, logprobs)
             if seq.params.logprobs is not None:
                 ids, tops = top_logprobs(logits[first:first + len(tokens)], seq.params.logprobs)
                 out.top_ids, out.top_logprobs = ids[0], tops[0]
                 out.later_tops = tuple(zip(ids[1:], tops[1:]))
-            kept = next((i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d),
-                        min(len(tokens), len(draft)))
-            out.num_drafts, out.num_accepted = len(draft), kept
         if plan.sampling:
             assert logits is not None
             sampling = [outputs[i] for i in plan.sampling]
@@ -490,6 +498,20 @@ def add_chunk(seq: Sequence, ctx: int, n: int, block_size: int, device: torch.de
     pos.extend(range(ctx, ctx + n))
     slots.extend(seq_slots[ctx:].tolist())
     return chunk
+
+
+def _commit_verified(out: SeqStepOutput, draft: list[int], tokens: list[int],
+                     logprobs: list[float]) -> None:
+    """A speculating sequence's output from its verified ``tokens`` (the drafts kept, then
+    the target's own) and their logprobs. The kept drafts' positions count as computed,
+    one at a time, as the engine appends each token (``later_tokens``), like a
+    multi-step decode."""
+    out.num_new_tokens = 1
+    out.token_id, out.logprob = tokens[0], logprobs[0]
+    out.later_tokens = tuple(zip(tokens[1:], logprobs[1:]))
+    kept = next((i for i, (t, d) in enumerate(zip(tokens, draft)) if t != d),
+                min(len(tokens), len(draft)))
+    out.num_drafts, out.num_accepted = len(draft), kept
 
 
 def _verifies(s: ScheduledSeq) -> bool:

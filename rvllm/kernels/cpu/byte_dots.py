@@ -71,20 +71,25 @@ def quantize_rows(x, out):
         low = out[b, k:2 * k].view(np.int8)
         pairs = out[b, 2 * k:2 * k + 8 * blocks].view(np.float32)
         for j in range(blocks):
+            xb = x[b, j * BLOCK:j * BLOCK + BLOCK]
             amax = np.float32(0.0)
-            for i in range(j * BLOCK, j * BLOCK + BLOCK):
-                amax = max(amax, abs(x[b, i]))
+            for i in range(BLOCK):
+                amax = max(amax, abs(xb[i]))
             inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
-            total = 0
-            for i in range(j * BLOCK, j * BLOCK + BLOCK):
-                q = np.int32(np.rint(x[b, i] * inv))
-                h = (q + 127 + 255 * 128) // 255 - 128  # q / 255 rounded: |q - 255 h| <= 127
-                high[i] = h
-                low[i] = q - 255 * h
+            hb = high[j * BLOCK:j * BLOCK + BLOCK]
+            lb = low[j * BLOCK:j * BLOCK + BLOCK]
+            # In float32, where it vectorizes: integers this small are exact, and q / 255
+            # lies at least 0.002 from a tie, so its rounding h leaves |q - 255 h| <= 127.
+            total = np.float32(0.0)
+            for i in range(BLOCK):
+                q = np.rint(xb[i] * inv)
+                h = np.rint(q * np.float32(1.0 / 255.0))
+                hb[i] = np.int32(h)
+                lb[i] = np.int32(q - np.float32(255.0) * h)
                 total += q
             d = amax / np.float32(SCALE)
             pairs[2 * j] = d
-            pairs[2 * j + 1] = d * np.float32(total)
+            pairs[2 * j + 1] = d * total
 
 
 @numba.njit(cache=True)
@@ -134,7 +139,8 @@ def _halves(builder: ir.IRBuilder, v: ir.Value) -> tuple[ir.Value, ir.Value]:
 def dot_bytes(context, builder: ir.IRBuilder, acc: ir.Value, a: ir.Value,  # noqa: ANN001
               b: ir.Value) -> ir.Value:
     """acc (<16 x i32>) plus, in each lane, the sum of the lane's four bytes of a
-    (unsigned, at most 15 here) times its four bytes of b (signed)."""
+    (unsigned) times its four bytes of b (signed). Without VNNI, a pair of these
+    products must stay within int16 (``vpmaddubsw`` saturates)."""
     features = _features(context)
     if _vnni(context):
         return _call(builder, "llvm.x86.avx512.vpdpbusd.512", V32, [acc, a, b])
@@ -166,4 +172,48 @@ def splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """<16 x i32> of one int32 in every lane."""
     vector = builder.insert_element(ir.Constant(V32, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vector, vector, _lanes([0] * 16))
+
+
+def signed_weights(context, builder: ir.IRBuilder,  # noqa: ANN001
+                   weights: list[ir.Value]) -> tuple[list[ir.Value], list[ir.Value] | ir.Value]:
+    """Groups of signed weight bytes (<16 x i32>: four of a row's columns to a lane) made
+    ready for ``dot_signed``, once for every row of x. With VNNI: the weights, and 128
+    times each lane's sum of them (x's bytes go in offset by 128, unsigned). Without:
+    the weights' magnitudes, and where they are negative (x's bytes take their sign),
+    so that ``vpmaddubsw``'s pairs stay within 2 * 128 * 127."""
+    if _vnni(context):
+        ones = ir.Constant(V32, [0x01010101] * 16)
+        sums = ir.Constant(V32, [0] * 16)
+        for w in weights:
+            sums = dot_bytes(context, builder, sums, ones, w)
+        return weights, builder.shl(sums, ir.Constant(V32, [7] * 16))
+    zero = ir.Constant(_B64, [0] * 64)
+    magnitudes, negative = [], []
+    for w in weights:
+        b = builder.bitcast(w, _B64)
+        below = builder.icmp_signed("<", b, zero)
+        magnitudes.append(builder.bitcast(builder.select(below, builder.sub(zero, b), b), V32))
+        negative.append(below)
+    return magnitudes, negative
+
+
+def dot_signed(context, builder: ir.IRBuilder,  # noqa: ANN001
+               prepared: tuple[list[ir.Value], list[ir.Value] | ir.Value],
+               words: list[ir.Value]) -> ir.Value:
+    """<16 x i32>: each lane's sum over the groups of ``signed_weights`` of its four
+    signed weight bytes times x's four bytes of the group (``words``: an i32 of x's
+    signed bytes a group), exactly: the same integers with and without VNNI."""
+    weights, extra = prepared
+    pair = [ir.Constant(V32, [0] * 16)] * 2
+    for g, word in enumerate(words):
+        if isinstance(extra, list):
+            xb = builder.bitcast(splat_i32(builder, word), _B64)
+            signed = builder.select(extra[g], builder.sub(ir.Constant(_B64, [0] * 64), xb), xb)
+            pair[g % 2] = dot_bytes(context, builder, pair[g % 2], weights[g],
+                                    builder.bitcast(signed, V32))
+        else:  # x + 128 in each byte, the scalar flipped before it is splat
+            offset = splat_i32(builder, builder.xor(word, ir.Constant(_I32, -0x7F7F7F80)))
+            pair[g % 2] = dot_bytes(context, builder, pair[g % 2], offset, weights[g])
+    total = builder.add(pair[0], pair[1])
+    return total if isinstance(extra, list) else builder.sub(total, extra)
 

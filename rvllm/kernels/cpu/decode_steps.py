@@ -57,7 +57,7 @@ def _greedy_steps(embedding, token_ids, norms1, qkv_w, qkv_s, qkv_b, o_w, o_s, o
                         gu_w, gu_s, gu_b, down_w, down_s, down_b, like, inter, key_cache,
                         value_cache, windows, tables, pos, slots, cos_table, sin_table,
                         num_heads, num_kv_heads, head_dim, scale, eps, final_norm, head_w,
-                        head_s, logits, step_ids[step], step_logprobs[step], parts)
+                        head_s, logits, step_ids[step], step_logprobs[step], parts, 1)
         every = True
         for b in range(rows):
             for s in range(stops.shape[1]):

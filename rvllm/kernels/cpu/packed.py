@@ -74,7 +74,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
-from rvllm.kernels.cpu.byte_dots import V32, dot_bytes, rounded_rows, splat_i32
+from rvllm.kernels.cpu.byte_dots import (
+    V32,
+    dot_bytes,
+    dot_signed,
+    rounded_rows,
+    signed_weights,
+    splat_i32,
+)
 from rvllm.kernels.cpu.numerics import prefetch_line
 from rvllm.kernels.cpu.panels import Panels
 from rvllm.kernels.cpu.vectors import (
@@ -104,7 +111,7 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q
 BLOCK_COLS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 # Formats multiplied by rounded integer activations (``_int_dots``), and by float32 ones
 # (``_dots``).
-INT_FORMATS = (Q4_0, Q4_1)
+INT_FORMATS = (Q4_0, Q4_1, Q8_0)
 FLOAT_FORMATS = tuple(f for f in BLOCK_COLS if f not in INT_FORMATS)
 TYPE_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 PANEL_BLOCK_BYTES = {Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
@@ -151,7 +158,7 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
     """[P, 16, nb, type bytes] GGUF blocks -> [P, nb, panel block bytes], the fields of
     each block turned lane-innermost (see the module note)."""
     if fmt == Q8_0:
-        fields = [_halves_inner(blocks[..., 0:2]), _lanes_inner(blocks[..., 2:34])]
+        fields = [_halves_inner(blocks[..., 0:2]), _dword_groups(blocks[..., 2:34])]
     elif fmt == Q4_0:
         fields = [_halves_inner(blocks[..., 0:2]), _dword_groups(blocks[..., 2:18])]
     elif fmt == Q4_1:
@@ -343,10 +350,9 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
         q = _at(builder, blk, 32)
 
         def ints(i: ir.Value) -> list[ir.Value]:
-            return [builder.sitofp(_column_bytes(builder, q, 0, i), _VEC),
-                    builder.sitofp(_column_bytes(builder, q, 16, i), _VEC)]
+            return [builder.sitofp(b, _VEC) for b in _group_columns(builder, q, i)]
 
-        return [_Loop(16, [0, 16], [d, d], [None, None], ints)]
+        return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints, step=4)]
     if fmt in (Q4_K, Q5_K):
         d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
         sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
@@ -513,16 +519,17 @@ _dots1, _dots2, _dots3, _dots4 = (_dots(rows) for rows in range(1, DIRECT_ROWS +
 
 
 def _int_dots(rows: int):
-    """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0 or Q4_1, at address
+    """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0, Q4_1 or Q8_0, at address
     ``panel``) times rounded row b of x (``byte_dots.quantize_rows``: at xq + b * xq_step,
     bytes), for ``rows`` rows; out float32 [rows, 16].
 
-    A block's 4 groups of 4 byte columns are 4 vectors of one int32 lane a row: their low
-    nibbles are columns 4g..4g+3, their high ones 16 + 4g..; each is multiplied by the
-    row's same 4 bytes in every lane (``dot_bytes``): 8 products of 64 bytes for the
-    block's high bytes of x, the sums shifted left by 8, 8 more for its low bytes. The
-    block's integer sum s then adds ``d * dx * s + offset * (dx * sum q)`` to the row's
-    float32 lanes (offset m for Q4_1, -8 d for Q4_0), in block order whatever the number
+    A block's weights come as groups of 4 byte columns, one int32 lane a row. Q4_0/Q4_1:
+    4 groups, whose low nibbles are columns 4g..4g+3 and high ones 16 + 4g..; each is
+    multiplied by the row's same 4 bytes in every lane (``dot_bytes``). Q8_0: 8 groups of
+    signed bytes (``dot_signed``). Each block takes these products for x's high bytes and
+    again for its low bytes, in four chains, and the block's integer sum s = 255 * high +
+    low then adds ``d * dx * s + offset * (dx * sum q)`` to the row's float32 lanes
+    (offset m for Q4_1, -8 d for Q4_0, none for Q8_0), in block order whatever the number
     of rows: each row's result is the same number alone or in any batch."""
 
     @intrinsic
@@ -538,6 +545,11 @@ def _int_dots(rows: int):
             cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()),
                                 align=8)
 
+            def groups(base: ir.Value, count: int) -> list[ir.Value]:
+                return [builder.load(builder.inttoptr(_at(builder, base, 64 * g),
+                                                      V32.as_pointer()), align=1)
+                        for g in range(count)]
+
             def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
                 for a in acc:
                     builder.store(zero, a)
@@ -548,23 +560,24 @@ def _int_dots(rows: int):
                     for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
                     d = _halves(builder, blk)
-                    if fmt == Q4_1:
-                        offset = _halves(builder, _at(builder, blk, 32))
-                        nib = _at(builder, blk, 64)
+                    offset = None
+                    if fmt == Q8_0:
+                        signed = signed_weights(context, builder,
+                                                groups(_at(builder, blk, 32), 8))
                     else:
-                        offset = _fmul(builder, d, _scalar_splat(-8.0))
-                        nib = _at(builder, blk, 32)
-                    lows, highs = [], []
-                    for g in range(4):
-                        v = builder.load(builder.inttoptr(_at(builder, nib, 64 * g),
-                                                          V32.as_pointer()), align=1)
-                        lows.append(builder.and_(v, mask))
-                        highs.append(builder.and_(builder.lshr(v, four), mask))
+                        if fmt == Q4_1:
+                            offset = _halves(builder, _at(builder, blk, 32))
+                            nib = _at(builder, blk, 64)
+                        else:
+                            offset = _fmul(builder, d, _scalar_splat(-8.0))
+                            nib = _at(builder, blk, 32)
+                        packed = groups(nib, 4)
+                        # Low nibbles by x's bytes 4g.., high ones by 16 + 4g..
+                        nibbles = ([builder.and_(v, mask) for v in packed]
+                                   + [builder.and_(builder.lshr(v, four), mask)
+                                      for v in packed])
                     for b in range(rows):
                         row = builder.add(xq, builder.mul(_int(b), xq_step))
-                        # Four chains of products (high and low bytes of x, even and
-                        # odd groups): one chain for a one-row pass waited on each
-                        # product's latency.
                         chains = []
                         for half in range(2):  # the high bytes, then the low ones
                             qs = builder.add(builder.add(row, builder.mul(cols, _int(half))),
@@ -572,11 +585,15 @@ def _int_dots(rows: int):
                             words = [builder.load(builder.inttoptr(
                                 _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
                                 for c in range(8)]  # x's bytes 4c..4c+3 of the block
+                            if fmt == Q8_0:
+                                chains.append(dot_signed(context, builder, signed, words))
+                                continue
+                            # Two chains a half: one chain for a one-row pass waited on
+                            # each product's latency.
                             pair = [izero, izero]
-                            for g in range(8):  # low nibbles by x's bytes 4g.., high 16 + 4g..
-                                nibbles = lows[g % 4] if g < 4 else highs[g % 4]
-                                pair[g % 2] = dot_bytes(context, builder, pair[g % 2], nibbles,
-                                                        splat_i32(builder, words[g]))
+                            for g in range(8):
+                                pair[g % 2] = dot_bytes(context, builder, pair[g % 2],
+                                                        nibbles[g], splat_i32(builder, words[g]))
                             chains.append(builder.add(pair[0], pair[1]))
                         high, low = chains  # 255 * high + low
                         total = builder.add(builder.sub(builder.shl(high, eight), high), low)
@@ -586,9 +603,11 @@ def _int_dots(rows: int):
                         scaled = _fmul(builder, d, _splat(builder, dx))
                         value = _fma(builder, scaled, builder.sitofp(total, _VEC),
                                      builder.load(acc[b]))
-                        sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
-                                                           _F32.as_pointer()), align=4)
-                        builder.store(_fma(builder, offset, _splat(builder, sx), value), acc[b])
+                        if offset is not None:
+                            sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
+                                                               _F32.as_pointer()), align=4)
+                            value = _fma(builder, offset, _splat(builder, sx), value)
+                        builder.store(value, acc[b])
 
             _for_each_format(builder, panel, walk, INT_FORMATS)
             _store_rows(builder, acc, out)
@@ -698,7 +717,7 @@ def int_panel(w, p):
     """Whether packed panel p of w is multiplied by rounded activations
     (``INT_FORMATS``)."""
     fmt = _header(w.ctypes.data + p * w.shape[1] * PANEL, 0)
-    return fmt == Q4_0 or fmt == Q4_1
+    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0
 
 
 @numba.njit(cache=True)
