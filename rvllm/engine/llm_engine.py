@@ -959,7 +959,7 @@ class _SpecStats:
     def worth_it(self, gain: float | None) -> bool:
         """Whether a sequence that has made ``gain`` tokens per verifying step lately
         should propose: a verifying step must make more tokens than it costs decode
-        steps (on the CPU a step of five rows of packed 4-bit weights cost about four
+        steps (on the CPU a step of five rows of SmolLM2's packed weights cost about 2.6
         one-row steps). Unknown costs or gain: try."""
         if gain is None or self.verify_s is None or self.decode_s is None:
             return True

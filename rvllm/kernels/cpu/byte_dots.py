@@ -1,5 +1,5 @@
 """Activations rounded to 16-bit integers per block of 32, held as two bytes, and
-byte-by-byte dot products in LLVM IR: what the packed 4-bit kernels (``packed``)
+byte-by-byte dot products in LLVM IR: what the packed 4- and 8-bit kernels (``packed``)
 multiply with.
 
 Widening every 4-bit weight to float32 for one multiply-add a row of activations kept
@@ -18,6 +18,10 @@ integers per block of 32 turns a block's products into integer multiply-adds of 
   without it ``vpmaddubsw`` then ``vpmaddwd`` (AVX-512BW, or AVX2 on two halves), and
   plain integer IR on anything else. Weights of 4 bits (0-15) times bytes within +-127
   never saturate ``vpmaddubsw``'s 16-bit pairs.
+- ``signed_weights`` / ``dot_signed``: the same for signed 8-bit weights (Q8_0). With
+  VNNI x's bytes go in offset by 128 (unsigned) and 128 times the weights' sum comes off;
+  without, the weights' magnitudes go in and x's bytes take their signs, so that a pair
+  of products stays within 2 * 128 * 127.
 
 Every machine computes the same integers, so a packed product is the same float32 number
 on every CPU. A weight row's block product is ``255 * (w . h) + (w . l) = w . q``,

@@ -10,26 +10,27 @@ takes that many times longer to read them. Here they stay in their blocks.
 as the float32 and int8 ones are (``gemv``), so that one 16-lane vector is one column
 of 16 rows: panel p is a 64-byte header (its format's code, K, and the panel's bytes
 over 16) and then, for each of the row's blocks in K order, the 16 rows' blocks with
-each field turned lane-innermost. A field of one byte a weight (Q8_0's integers, a
-k-quant's 6-bit sub-block scales, unpacked to a byte each) becomes a 16-byte vector a
-column; two nibbles a byte become a 16-byte vector holding two columns (low and high
-nibble); the float16 scales a 32-byte vector of 16. Q4_0's and Q4_1's nibble bytes go
-four columns together instead, each row's four bytes one int32 lane (``_dword_groups``),
-as the byte products take them. The bytes are the file's, but for Q4_K's and Q5_K's
-sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and +2.3% of those
-formats' bytes). Rows past N are zero blocks. Panels of one weight may differ in format
-(a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel is read by its
-own header, and panels of a weight are all as long as the longest.
+each field turned lane-innermost. A field of one byte a weight (a k-quant's 6-bit
+sub-block scales, unpacked to a byte each) becomes a 16-byte vector a column; two
+nibbles a byte become a 16-byte vector holding two columns (low and high nibble); the
+float16 scales a 32-byte vector of 16. Q4_0's and Q4_1's nibble bytes and Q8_0's
+integers go four columns together instead, each row's four bytes one int32 lane
+(``_dword_groups``), as the byte products take them. The bytes are the file's, but for
+Q4_K's and Q5_K's sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and
++2.3% of those formats' bytes). Rows past N are zero blocks. Panels of one weight may
+differ in format (a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel
+is read by its own header, and panels of a weight are all as long as the longest.
 
 **Formats.** Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (blocks of 256). Each
 weight is ``scale * q - offset`` for an integer q and a (scale, offset) pair per sub-
 block of 16 or 32 columns (Q4_0: d, 8 d; Q4_1: d, -m; Q8_0: d, 0; Q4_K/Q5_K: d sc,
 dmin m; Q6_K: d sc, 32 d sc).
 
-**Arithmetic.** Q4_0 and Q4_1 panels (``INT_FORMATS``: the default SmolLM2 file's layers,
-every int4 weight) multiply x rounded to 16-bit integers per block of 32, held as two
-bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4 rows of x a pass over the
-panel for any number of rows, and gives each row the same number whatever the batch.
+**Arithmetic.** Q4_0, Q4_1 and Q8_0 panels (``INT_FORMATS``: the default SmolLM2 file's
+layers and its tied LM head, every int4 weight) multiply x rounded to 16-bit integers per
+block of 32, held as two bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4
+rows of x a pass over the panel for any number of rows, and gives each row the same
+number whatever the batch. Q8_0's signed integers go through ``byte_dots.dot_signed``.
 The result is the float32 product of the dequantized weight with that rounded x (tested
 within 1e-5 of a float64 product), about 2e-5 of the largest output off the product with
 x itself on random data. Widening these weights to float32 instead kept a thread at about
@@ -39,14 +40,14 @@ one row at about 50 G weights/s from the cache and four rows at about 20 each, s
 from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G weights/s for one row
 and 18.5 for four (widened: 16 and 11.5).
 
-Q8_0 and the k-quants keep x in float32. For each sub-block and row of x the kernel sums
+The k-quants keep x in float32. For each sub-block and row of x the kernel sums
 ``q * x`` over its columns (the integers widened to float32 in registers, one multiply-
 add per column for 16 rows) and then adds ``scale * sum - offset * (sum of x over the
 sub-block)``; the sums of x over every 16 columns are made once per call. So the result
 is the float32 product with the dequantized weight up to the order of the sums (tested
 within 1e-5 relative of a float64 product with ``models.dequant``'s weights).
 
-- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1 panel times 1-4 rounded rows of x.
+- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1/Q8_0 panel times 1-4 rounded rows of x.
 - ``_dots1`` .. ``_dots4``: one panel of another format times 1-4 rows of x, straight
   from the packed bytes: the one-row GEMV of decode and the few-row steps.
 - ``_dequant_panel``: one panel widened into a float32 scratch panel [K, 16]: with more
