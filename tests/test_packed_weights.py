@@ -2,14 +2,15 @@
 ``--quantization gguf``, the default for a quantized GGUF file), and int4 made at load
 or read from an AWQ checkpoint on the same kernels.
 
-The k-quants keep the activations in float32, so they compute the float32 product with
+Q5_K and Q6_K keep the activations in float32, so they compute the float32 product with
 the dequantized weight up to the order of the sums: held here to 1e-5 of the largest
-output (float64 reference). Q4_0, Q4_1 (and so int4) and Q8_0 multiply x rounded to
+output (float64 reference). Q4_0, Q4_1 (and so int4), Q8_0 and Q4_K multiply x rounded to
 16-bit integers per block of 32 (``byte_dots``): the float32 product with the dequantized
 weight and that rounded x, to the same 1e-5, and within 1e-4 of the largest output of the
 product with x itself. An engine on packed weights gives the same greedy tokens as one
-on the dequantized float32 weights, with logprobs within 2e-2 where layers round x
-(1e-3 where nothing does).
+on the dequantized float32 weights, with logprobs within 3e-2 where layers round x
+(``ROUNDED_ATOL``; the largest seen 0.024, on the mixed Q4_K_M-like model) and 1e-3
+where nothing does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rvllm.kernels.cpu.f32_gemm import panels_matmul
 from rvllm.kernels.cpu.gemv import gemv
 from rvllm.models.dequant import dequantize
 
+ROUNDED_ATOL = 3e-2  # logprobs of a model whose layers round x, against float32
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 # Byte ranges of each block's float16 fields (written finite and small).
 _HALVES = {T.Q8_0: [(0, 2)], T.Q4_0: [(0, 2)], T.Q4_1: [(0, 2), (2, 4)],
@@ -95,10 +97,11 @@ def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int)
         assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda f: f.name)
 def test_a_row_s_product_is_the_same_number_in_any_batch(fmt) -> None:
-    raw, panels = packed_weight(fmt, 53, 96)
-    x = torch.randn(33, 96, generator=torch.Generator().manual_seed(3))
+    k = 96 if pk.BLOCK_COLS[int(fmt)] == 32 else 256
+    raw, panels = packed_weight(fmt, 53, k)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(3))
     full = panels_matmul(x, panels)
     for rows in (1, 2, 3, 4, 5, 9):
         part = gemv(x[:1], panels) if rows == 1 else panels_matmul(x[:rows], panels)
@@ -119,7 +122,8 @@ from rvllm.kernels.cpu.f32_gemm import panels_matmul
 from gguf import GGMLQuantizationType as T
 torch.set_num_threads(1)
 x = torch.from_numpy(np.load({x!r}))
-out = [panels_matmul(x, packed_weight(f, 53, 96)[1]).numpy() for f in (T.Q4_0, T.Q4_1, T.Q8_0)]
+out = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
+       for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K)]
 np.save({out!r}, np.stack(out))
 """
 
@@ -127,8 +131,8 @@ np.save({out!r}, np.stack(out))
 @pytest.mark.parametrize("cpu", [
     "avx2", pytest.param("avx512bw", marks=pytest.mark.slow)])  # a compile each: ~1 min
 def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
-    """The packed Q4_0, Q4_1 and Q8_0 products compiled for an older CPU (run here: this
-    one has all of its instructions) are bit for bit this machine's."""
+    """The packed Q4_0, Q4_1, Q8_0 and Q4_K products compiled for an older CPU (run here:
+    this one has all of its instructions) are bit for bit this machine's."""
     import os
     import subprocess
     import sys
@@ -139,7 +143,7 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
 
     if "+avx512bw" not in _features(cpu_target.target_context):
         pytest.skip("this CPU cannot run code compiled for AVX-512BW")
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
     np.save(tmp_path / "x.npy", x.numpy())
     name, features = _CPUS[cpu]
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
@@ -148,8 +152,8 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
                               out=str(tmp_path / "out.npy"))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
     theirs = np.load(tmp_path / "out.npy")
-    ours = [panels_matmul(x, packed_weight(f, 53, 96)[1]).numpy()
-            for f in (T.Q4_0, T.Q4_1, T.Q8_0)]
+    ours = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
+            for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K)]
     assert np.array_equal(theirs, np.stack(ours))
 
 
@@ -161,8 +165,10 @@ def test_a_weight_of_mixed_formats_reads_each_panel_by_its_own() -> None:
     w = torch.cat([dequantize(p.data, p.fmt, (p.rows, k)) for p in parts])
     assert torch.equal(pk.dequantize_panels(panels.weight, 69, k), w)
     x = torch.randn(3, k)
-    # The Q8_0 rows (the last 21) multiply x rounded to integers.
-    ref = torch.cat([x.double() @ w[:48].double().T, rounded(x) @ w[48:].double().T], dim=1)
+    # The Q4_K rows (the first 32) and the Q8_0 ones (the last 21) multiply x rounded to
+    # integers.
+    ref = torch.cat([rounded(x) @ w[:32].double().T, x.double() @ w[32:48].double().T,
+                     rounded(x) @ w[48:].double().T], dim=1)
     for rows in (1, 3):
         ours = gemv(x[:1], panels) if rows == 1 else panels_matmul(x, panels)
         assert (ours.double() - ref[:rows]).abs().max() <= 1e-5 * ref.abs().max()
@@ -304,7 +310,7 @@ def test_a_quantized_gguf_runs_packed_by_default_and_matches_float32(mixed_llama
     assert plan is not None and plan.arrays.like.dtype == np.uint8  # layers of mixed types
     assert plan.head(model.lm_head) is not None  # and goes on through the Q6_K LM head
     _, plain = _generate(mixed_llama, "none", PROMPTS)
-    _assert_same(packed, plain, atol=2e-2)  # the Q8_0 up projection rounds x
+    _assert_same(packed, plain, atol=ROUNDED_ATOL)  # the Q8_0 up projection rounds x
 
 
 def test_packed_weights_hold_under_batching_chunked_prefill_and_the_torch_path(
@@ -312,9 +318,9 @@ def test_packed_weights_hold_under_batching_chunked_prefill_and_the_torch_path(
     _, plain = _generate(mixed_llama, "none", PROMPTS)
     _, chunked = _generate(mixed_llama, "gguf", PROMPTS, max_num_batched_tokens=16,
                            enable_chunked_prefill=True, max_num_seqs=2)
-    _assert_same(chunked, plain, atol=2e-2)
+    _assert_same(chunked, plain, atol=ROUNDED_ATOL)
     _, torch_path = _generate(mixed_llama, "gguf", PROMPTS, kernel_backend="torch")
-    _assert_same(torch_path, plain, atol=2e-2)
+    _assert_same(torch_path, plain, atol=ROUNDED_ATOL)
 
 
 def test_a_tied_q8_0_embedding_feeds_the_lm_head_packed(tmp_path: Path) -> None:
@@ -324,7 +330,7 @@ def test_a_tied_q8_0_embedding_feeds_the_lm_head_packed(tmp_path: Path) -> None:
     head = llm.engine.model.lm_head
     assert head.linear_kind == "packed"
     _, plain = _generate(path, "none", PROMPTS)
-    _assert_same(packed, plain, atol=2e-2)  # the Q4_1 layers and the Q8_0 head round x
+    _assert_same(packed, plain, atol=ROUNDED_ATOL)  # the Q4_1 layers and the Q8_0 head round x
 
 
 def test_int4_at_load_runs_on_the_packed_kernels(mixed_llama) -> None:
@@ -401,8 +407,8 @@ def test_an_int4_checkpoint_runs_packed_like_its_dequantized_weights(
     assert llm.engine.model.model.layers[1].self_attn.qkv_proj.linear_kind == "packed"
     _, plain = _generate(plain_dir, None, prompts)
     if method == "gptq":  # symmetric: d = scale and m = -8 scale are exact in float16
-        _assert_same(packed, plain, atol=2e-2)  # Q4_1 blocks round x
+        _assert_same(packed, plain, atol=ROUNDED_ATOL)  # Q4_1 blocks round x
     else:  # AWQ's m = -scale * zero is rounded to float16: within 1/2048 of each offset
         for (ids, lps), (ids_ref, lps_ref) in zip(packed, plain):
             assert ids[:4] == ids_ref[:4]
-            assert np.allclose(lps[:4], lps_ref[:4], atol=2e-2)
+            assert np.allclose(lps[:4], lps_ref[:4], atol=ROUNDED_ATOL)

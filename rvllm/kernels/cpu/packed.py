@@ -13,8 +13,8 @@ over 16) and then, for each of the row's blocks in K order, the 16 rows' blocks 
 each field turned lane-innermost. A field of one byte a weight (a k-quant's 6-bit
 sub-block scales, unpacked to a byte each) becomes a 16-byte vector a column; two
 nibbles a byte become a 16-byte vector holding two columns (low and high nibble); the
-float16 scales a 32-byte vector of 16. Q4_0's and Q4_1's nibble bytes and Q8_0's
-integers go four columns together instead, each row's four bytes one int32 lane
+float16 scales a 32-byte vector of 16. Q4_0's, Q4_1's and Q4_K's nibble bytes and Q8_0's
+integers go four byte columns together instead, each row's four bytes one int32 lane
 (``_dword_groups``), as the byte products take them. The bytes are the file's, but for
 Q4_K's and Q5_K's sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and
 +2.3% of those formats' bytes). Rows past N are zero blocks. Panels of one weight may
@@ -26,11 +26,13 @@ weight is ``scale * q - offset`` for an integer q and a (scale, offset) pair per
 block of 16 or 32 columns (Q4_0: d, 8 d; Q4_1: d, -m; Q8_0: d, 0; Q4_K/Q5_K: d sc,
 dmin m; Q6_K: d sc, 32 d sc).
 
-**Arithmetic.** Q4_0, Q4_1 and Q8_0 panels (``INT_FORMATS``: the default SmolLM2 file's
-layers and its tied LM head, every int4 weight) multiply x rounded to 16-bit integers per
-block of 32, held as two bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4
-rows of x a pass over the panel for any number of rows, and gives each row the same
-number whatever the batch. Q8_0's signed integers go through ``byte_dots.dot_signed``.
+**Arithmetic.** Q4_0, Q4_1, Q8_0 and Q4_K panels (``INT_FORMATS``: the default SmolLM2
+file's layers and its tied LM head, every int4 weight, most of a Q4_K_M file) multiply x
+rounded to 16-bit integers per block of 32, held as two bytes (``byte_dots``), bytes by
+bytes: ``_int_dots`` takes 1-4 rows of x a pass over the panel for any number of rows,
+and gives each row the same number whatever the batch. Q8_0's signed integers go through
+``byte_dots.dot_signed``; a Q4_K block is eight sub-blocks of 32, each with its own
+scale and minimum, so it adds eight such block products.
 The result is the float32 product of the dequantized weight with that rounded x (tested
 within 1e-5 of a float64 product), about 2e-5 of the largest output off the product with
 x itself on random data. Widening these weights to float32 instead kept a thread at about
@@ -40,14 +42,15 @@ one row at about 50 G weights/s from the cache and four rows at about 20 each, s
 from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G weights/s for one row
 and 18.5 for four (widened: 16 and 11.5).
 
-The k-quants keep x in float32. For each sub-block and row of x the kernel sums
+Q5_K and Q6_K keep x in float32. For each sub-block and row of x the kernel sums
 ``q * x`` over its columns (the integers widened to float32 in registers, one multiply-
 add per column for 16 rows) and then adds ``scale * sum - offset * (sum of x over the
 sub-block)``; the sums of x over every 16 columns are made once per call. So the result
 is the float32 product with the dequantized weight up to the order of the sums (tested
 within 1e-5 relative of a float64 product with ``models.dequant``'s weights).
 
-- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1/Q8_0 panel times 1-4 rounded rows of x.
+- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1/Q8_0/Q4_K panel times 1-4 rounded rows
+  of x.
 - ``_dots1`` .. ``_dots4``: one panel of another format times 1-4 rows of x, straight
   from the packed bytes: the one-row GEMV of decode and the few-row steps.
 - ``_dequant_panel``: one panel widened into a float32 scratch panel [K, 16]: with more
@@ -112,7 +115,7 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q
 BLOCK_COLS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 # Formats multiplied by rounded integer activations (``_int_dots``), and by float32 ones
 # (``_dots``).
-INT_FORMATS = (Q4_0, Q4_1, Q8_0)
+INT_FORMATS = (Q4_0, Q4_1, Q8_0, Q4_K)
 FLOAT_FORMATS = tuple(f for f in BLOCK_COLS if f not in INT_FORMATS)
 TYPE_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 PANEL_BLOCK_BYTES = {Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
@@ -167,10 +170,10 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
                   _dword_groups(blocks[..., 4:20])]
     elif fmt in (Q4_K, Q5_K):
         sc, mn = _k_scales(blocks[..., 4:16])
-        quants = [blocks[..., 16:48], blocks[..., 48:176]] if fmt == Q5_K else \
-            [blocks[..., 16:144]]
+        quants = ([_lanes_inner(blocks[..., 16:48]), _lanes_inner(blocks[..., 48:176])]
+                  if fmt == Q5_K else [_dword_groups(blocks[..., 16:144])])
         fields = [_halves_inner(blocks[..., 0:2]), _halves_inner(blocks[..., 2:4]),
-                  _lanes_inner(sc), _lanes_inner(mn), *map(_lanes_inner, quants)]
+                  _lanes_inner(sc), _lanes_inner(mn), *quants]
     elif fmt == Q6_K:
         fields = [_halves_inner(blocks[..., 208:210]), _lanes_inner(blocks[..., 192:208]),
                   _lanes_inner(blocks[..., 0:128]), _lanes_inner(blocks[..., 128:192])]
@@ -354,11 +357,33 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             return [builder.sitofp(b, _VEC) for b in _group_columns(builder, q, i)]
 
         return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints, step=4)]
-    if fmt in (Q4_K, Q5_K):
+    if fmt == Q4_K:
         d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
         sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
-        qh = _at(builder, blk, 320) if fmt == Q5_K else None
-        nib = _at(builder, blk, 320 + 512 if fmt == Q5_K else 320)
+        loops = []
+        for chunk in range(4):  # 64 columns: low nibbles 0-31, high ones 32-63
+            scales, offsets = [], []
+            for s in (2 * chunk, 2 * chunk + 1):
+                scale = _unsigned(builder, _column_bytes(builder, sc, s, _int(0)))
+                offset = _unsigned(builder, _column_bytes(builder, mn, s, _int(0)))
+                scales += [_fmul(builder, d, scale)] * 4
+                offsets += [_fmul(builder, dmin, offset)] * 4
+
+            def k_groups(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
+                cols = _group_columns(builder, _at(builder, blk, 320 + 512 * chunk), i)
+                return ([_unsigned(builder, builder.and_(b, lo)) for b in cols]
+                        + [_unsigned(builder, builder.lshr(b, four)) for b in cols])
+
+            first = 64 * chunk
+            loops.append(_Loop(8, [first + j for j in range(4)]
+                               + [first + 32 + j for j in range(4)], scales, offsets,
+                               k_groups, step=4))
+        return loops
+    if fmt == Q5_K:
+        d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
+        sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
+        qh = _at(builder, blk, 320)
+        nib = _at(builder, blk, 320 + 512)
         loops = []
         for chunk in range(4):
             subs = (2 * chunk, 2 * chunk + 1)
@@ -372,13 +397,12 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             def k_nibbles(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
                 b = _column_bytes(builder, nib, 32 * chunk, i)
                 low, high = builder.and_(b, lo), builder.lshr(b, four)
-                if qh is not None:
-                    h = _column_bytes(builder, qh, 0, i)
-                    one = _byte_splat(1)
-                    low = builder.or_(low, builder.shl(builder.and_(
-                        builder.lshr(h, _byte_splat(2 * chunk)), one), four))
-                    high = builder.or_(high, builder.shl(builder.and_(
-                        builder.lshr(h, _byte_splat(2 * chunk + 1)), one), four))
+                h = _column_bytes(builder, qh, 0, i)
+                one = _byte_splat(1)
+                low = builder.or_(low, builder.shl(builder.and_(
+                    builder.lshr(h, _byte_splat(2 * chunk)), one), four))
+                high = builder.or_(high, builder.shl(builder.and_(
+                    builder.lshr(h, _byte_splat(2 * chunk + 1)), one), four))
                 return [_unsigned(builder, low), _unsigned(builder, high)]
 
             loops.append(_Loop(32, [64 * chunk, 64 * chunk + 32], scales, offsets, k_nibbles))
@@ -551,6 +575,52 @@ def _int_dots(rows: int):
                                                       V32.as_pointer()), align=1)
                         for g in range(count)]
 
+            def nibble_dots(nibbles: list[ir.Value]) -> Callable[[list[ir.Value]], ir.Value]:
+                def dots(words: list[ir.Value]) -> ir.Value:
+                    # Two chains: one chain for a one-row pass waited on each product's
+                    # latency.
+                    pair = [izero, izero]
+                    for g in range(8):
+                        pair[g % 2] = dot_bytes(context, builder, pair[g % 2], nibbles[g],
+                                                splat_i32(builder, words[g]))
+                    return builder.add(pair[0], pair[1])
+                return dots
+
+            def add_block(b: int, xblock: ir.Value, dots: Callable[[list[ir.Value]], ir.Value],
+                          d: ir.Value, offset: ir.Value | None) -> None:
+                """Row b's products with x's block ``xblock`` of 32 columns, added:
+                ``dots(x's 8 words)`` for its high bytes and its low ones, then d * dx *
+                (255 high + low) + offset * (dx * sum q)."""
+                row = builder.add(xq, builder.mul(_int(b), xq_step))
+                chains = []
+                for half in range(2):  # the high bytes, then the low ones
+                    qs = builder.add(builder.add(row, builder.mul(cols, _int(half))),
+                                     builder.mul(xblock, _int(32)))
+                    chains.append(dots([builder.load(builder.inttoptr(
+                        _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
+                        for c in range(8)]))  # x's bytes 4c..4c+3 of the block
+                high, low = chains
+                total = builder.add(builder.sub(builder.shl(high, eight), high), low)
+                scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
+                                     builder.mul(xblock, _int(8)))
+                dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
+                # Products without fast-math flags: reassociated (d sc dx for Q4_K), they
+                # came out differently for another CPU's vector width.
+                value = _fma(builder, builder.fmul(d, _splat(builder, dx)),
+                             builder.sitofp(total, _VEC), builder.load(acc[b]))
+                if offset is not None:
+                    sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
+                                                       _F32.as_pointer()), align=4)
+                    value = _fma(builder, offset, _splat(builder, sx), value)
+                builder.store(value, acc[b])
+
+            def nibbles_of(base: ir.Value) -> list[ir.Value]:
+                """A Q4_0/Q4_1 block's weights as 8 vectors of groups (low nibbles, then
+                high ones) from its 4 loads."""
+                packed = groups(base, 4)
+                return ([builder.and_(v, mask) for v in packed]
+                        + [builder.and_(builder.lshr(v, four), mask) for v in packed])
+
             def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
                 for a in acc:
                     builder.store(zero, a)
@@ -561,54 +631,43 @@ def _int_dots(rows: int):
                     for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
                     d = _halves(builder, blk)
+                    if fmt == Q4_K:  # 8 sub-blocks of 32 columns, each its 6-bit scale/min
+                        dmin = _halves(builder, _at(builder, blk, 32))
+                        for chunk in range(4):
+                            packed = groups(_at(builder, blk, 320 + 512 * chunk), 8)
+                            parts = [[builder.and_(v, mask) for v in packed],
+                                     [builder.and_(builder.lshr(v, four), mask)
+                                      for v in packed]]
+                            for half in range(2):
+                                s = 2 * chunk + half
+                                scale = builder.fmul(d, _unsigned(builder, _column_bytes(
+                                    builder, _at(builder, blk, 64), s, _int(0))))
+                                offset = builder.fmul(dmin, _unsigned(builder, _column_bytes(
+                                    builder, _at(builder, blk, 192), s, _int(0))))
+                                offset = builder.fmul(offset, _scalar_splat(-1.0))
+                                xblock = builder.add(builder.mul(block.index, _int(8)), _int(s))
+                                for b in range(rows):
+                                    add_block(b, xblock, nibble_dots(parts[half]), scale,
+                                              offset)
+                        return
                     offset = None
                     if fmt == Q8_0:
                         signed = signed_weights(context, builder,
                                                 groups(_at(builder, blk, 32), 8))
+
+                        def dots(words: list[ir.Value]) -> ir.Value:
+                            return dot_signed(context, builder, signed, words)
                     else:
                         if fmt == Q4_1:
                             offset = _halves(builder, _at(builder, blk, 32))
                             nib = _at(builder, blk, 64)
                         else:
-                            offset = _fmul(builder, d, _scalar_splat(-8.0))
+                            offset = builder.fmul(d, _scalar_splat(-8.0))
                             nib = _at(builder, blk, 32)
-                        packed = groups(nib, 4)
                         # Low nibbles by x's bytes 4g.., high ones by 16 + 4g..
-                        nibbles = ([builder.and_(v, mask) for v in packed]
-                                   + [builder.and_(builder.lshr(v, four), mask)
-                                      for v in packed])
+                        dots = nibble_dots(nibbles_of(nib))
                     for b in range(rows):
-                        row = builder.add(xq, builder.mul(_int(b), xq_step))
-                        chains = []
-                        for half in range(2):  # the high bytes, then the low ones
-                            qs = builder.add(builder.add(row, builder.mul(cols, _int(half))),
-                                             builder.mul(block.index, _int(32)))
-                            words = [builder.load(builder.inttoptr(
-                                _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
-                                for c in range(8)]  # x's bytes 4c..4c+3 of the block
-                            if fmt == Q8_0:
-                                chains.append(dot_signed(context, builder, signed, words))
-                                continue
-                            # Two chains a half: one chain for a one-row pass waited on
-                            # each product's latency.
-                            pair = [izero, izero]
-                            for g in range(8):
-                                pair[g % 2] = dot_bytes(context, builder, pair[g % 2],
-                                                        nibbles[g], splat_i32(builder, words[g]))
-                            chains.append(builder.add(pair[0], pair[1]))
-                        high, low = chains  # 255 * high + low
-                        total = builder.add(builder.sub(builder.shl(high, eight), high), low)
-                        scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
-                                             builder.mul(block.index, _int(8)))
-                        dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
-                        scaled = _fmul(builder, d, _splat(builder, dx))
-                        value = _fma(builder, scaled, builder.sitofp(total, _VEC),
-                                     builder.load(acc[b]))
-                        if offset is not None:
-                            sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
-                                                               _F32.as_pointer()), align=4)
-                            value = _fma(builder, offset, _splat(builder, sx), value)
-                        builder.store(value, acc[b])
+                        add_block(b, block.index, dots, d, offset)
 
             _for_each_format(builder, panel, walk, INT_FORMATS)
             _store_rows(builder, acc, out)
@@ -718,7 +777,7 @@ def int_panel(w, p):
     """Whether packed panel p of w is multiplied by rounded activations
     (``INT_FORMATS``)."""
     fmt = _header(w.ctypes.data + p * w.shape[1] * PANEL, 0)
-    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0
+    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K
 
 
 @numba.njit(cache=True)
