@@ -675,10 +675,10 @@ class LLMEngine:
     def _verify_rows_cap(self) -> int | None:
         """The most rows (decodes, and speculating sequences' last tokens and drafts) a
         verifying step should have, or None for no cap: packed GGUF weights on the CPU
-        multiplied by float32 activations (the k-quants) are read packed for up to
+        multiplied by float32 activations (Q5_K, Q6_K) are read packed for up to
         ``DIRECT_ROWS`` rows and widened to float32 past that (on a 2-vCPU Xeon,
         SmolLM2's Q4_1 weights read that way: four rows cost 1.7 one-row steps, five
-        3.7). Q4_0, Q4_1 and Q8_0 panels, multiplied by integer activations, are read
+        3.7). Panels multiplied by integer activations (``INT_FORMATS``) are read
         packed for any number of rows: no cap where all are."""
         config = self.speculative_config
         if (config is None or self.kernel_backend != "numba"

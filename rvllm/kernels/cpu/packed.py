@@ -544,18 +544,20 @@ _dots1, _dots2, _dots3, _dots4 = (_dots(rows) for rows in range(1, DIRECT_ROWS +
 
 
 def _int_dots(rows: int):
-    """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0, Q4_1 or Q8_0, at address
-    ``panel``) times rounded row b of x (``byte_dots.quantize_rows``: at xq + b * xq_step,
-    bytes), for ``rows`` rows; out float32 [rows, 16].
+    """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0, Q4_1, Q8_0 or Q4_K, at
+    address ``panel``) times rounded row b of x (``byte_dots.quantize_rows``: at xq + b *
+    xq_step, bytes), for ``rows`` rows; out float32 [rows, 16].
 
     A block's weights come as groups of 4 byte columns, one int32 lane a row. Q4_0/Q4_1:
     4 groups, whose low nibbles are columns 4g..4g+3 and high ones 16 + 4g..; each is
     multiplied by the row's same 4 bytes in every lane (``dot_bytes``). Q8_0: 8 groups of
-    signed bytes (``dot_signed``). Each block takes these products for x's high bytes and
-    again for its low bytes, in four chains, and the block's integer sum s = 255 * high +
-    low then adds ``d * dx * s + offset * (dx * sum q)`` to the row's float32 lanes
-    (offset m for Q4_1, -8 d for Q4_0, none for Q8_0), in block order whatever the number
-    of rows: each row's result is the same number alone or in any batch."""
+    signed bytes (``dot_signed``). Q4_K: each 64 columns 8 groups, their low nibbles one
+    sub-block of 32 and their high ones the next. Each block of 32 columns takes these
+    products for x's high bytes and again for its low bytes, in four chains, and its
+    integer sum s = 255 * high + low then adds ``d * dx * s + offset * (dx * sum q)`` to
+    the row's float32 lanes (offset m for Q4_1, -8 d for Q4_0, none for Q8_0; Q4_K's d sc
+    and -dmin m), in block order whatever the number of rows: each row's result is the
+    same number alone or in any batch."""
 
     @intrinsic
     def dots(typingctx, panel, xq, xq_step, out):
