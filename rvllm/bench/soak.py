@@ -149,16 +149,21 @@ async def _one(client: httpx.AsyncClient, kind: str, path: str, body: Any,
     label = f"{kind} {path}"
     try:
         if kind == "hang_up":
-            task = asyncio.ensure_future(client.post(path, json=body))
-            await asyncio.sleep(rng.uniform(0.0, 0.05))
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, httpx.TransportError):
-                pass
-            else:  # answered before the hang-up
-                result.answered[kind] += 1
-                return
+            # A client of its own, as a real one that hangs up is: a request cancelled
+            # mid-flight can leave its connection held in the pool, and the shared
+            # client's other requests then waited for a free one (300 s each).
+            async with httpx.AsyncClient(base_url=client.base_url,
+                                         timeout=client.timeout) as own:
+                task = asyncio.ensure_future(own.post(path, json=body))
+                await asyncio.sleep(rng.uniform(0.0, 0.05))
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, httpx.TransportError):
+                    pass
+                else:  # answered before the hang-up
+                    result.answered[kind] += 1
+                    return
             result.abandoned += 1
             return
         if body.get("stream"):
