@@ -616,10 +616,10 @@ def _int_dots(rows: int):
                     value = _fma(builder, offset, _splat(builder, sx), value)
                 builder.store(value, acc[b])
 
-            def nibbles_of(base: ir.Value) -> list[ir.Value]:
-                """A Q4_0/Q4_1 block's weights as 8 vectors of groups (low nibbles, then
-                high ones) from its 4 loads."""
-                packed = groups(base, 4)
+            def nibbles_of(base: ir.Value, count: int) -> list[ir.Value]:
+                """``count`` groups of nibble bytes as 2 * count vectors of groups: their
+                low nibbles, then their high ones."""
+                packed = groups(base, count)
                 return ([builder.and_(v, mask) for v in packed]
                         + [builder.and_(builder.lshr(v, four), mask) for v in packed])
 
@@ -636,10 +636,7 @@ def _int_dots(rows: int):
                     if fmt == Q4_K:  # 8 sub-blocks of 32 columns, each its 6-bit scale/min
                         dmin = _halves(builder, _at(builder, blk, 32))
                         for chunk in range(4):
-                            packed = groups(_at(builder, blk, 320 + 512 * chunk), 8)
-                            parts = [[builder.and_(v, mask) for v in packed],
-                                     [builder.and_(builder.lshr(v, four), mask)
-                                      for v in packed]]
+                            nibbles = nibbles_of(_at(builder, blk, 320 + 512 * chunk), 8)
                             for half in range(2):
                                 s = 2 * chunk + half
                                 scale = builder.fmul(d, _unsigned(builder, _column_bytes(
@@ -649,8 +646,9 @@ def _int_dots(rows: int):
                                 offset = builder.fmul(offset, _scalar_splat(-1.0))
                                 xblock = builder.add(builder.mul(block.index, _int(8)), _int(s))
                                 for b in range(rows):
-                                    add_block(b, xblock, nibble_dots(parts[half]), scale,
-                                              offset)
+                                    add_block(b, xblock,
+                                              nibble_dots(nibbles[8 * half:8 * half + 8]),
+                                              scale, offset)
                         return
                     offset = None
                     if fmt == Q8_0:
@@ -667,7 +665,7 @@ def _int_dots(rows: int):
                             offset = builder.fmul(d, _scalar_splat(-8.0))
                             nib = _at(builder, blk, 32)
                         # Low nibbles by x's bytes 4g.., high ones by 16 + 4g..
-                        dots = nibble_dots(nibbles_of(nib))
+                        dots = nibble_dots(nibbles_of(nib, 4))
                     for b in range(rows):
                         add_block(b, block.index, dots, d, offset)
 
