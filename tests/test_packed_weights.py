@@ -2,15 +2,13 @@
 ``--quantization gguf``, the default for a quantized GGUF file), and int4 made at load
 or read from an AWQ checkpoint on the same kernels.
 
-Q5_K and Q6_K keep the activations in float32, so they compute the float32 product with
-the dequantized weight up to the order of the sums: held here to 1e-5 of the largest
-output (float64 reference). Q4_0, Q4_1 (and so int4), Q8_0 and Q4_K multiply x rounded to
+Every format (Q4_0, Q4_1 and so int4, Q8_0, Q4_K, Q5_K, Q6_K) multiplies x rounded to
 16-bit integers per block of 32 (``byte_dots``): the float32 product with the dequantized
-weight and that rounded x, to the same 1e-5, and within 1e-4 of the largest output of the
-product with x itself. An engine on packed weights gives the same greedy tokens as one
-on the dequantized float32 weights, with logprobs within 3e-2 where layers round x
-(``ROUNDED_ATOL``; the largest seen 0.024, on the mixed Q4_K_M-like model) and 1e-3
-where nothing does.
+weight and that rounded x, held here to 1e-5 of the largest output (float64 reference),
+and within 1e-4 of the largest output of the product with x itself. An engine on packed
+weights gives the same greedy tokens as one on the dequantized float32 weights, with
+logprobs within 5e-2 (``ROUNDED_ATOL``; the largest seen 0.033, on the mixed Q4_K_M-like
+random model, whose every layer rounds x).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from rvllm.kernels.cpu.f32_gemm import panels_matmul
 from rvllm.kernels.cpu.gemv import gemv
 from rvllm.models.dequant import dequantize
 
-ROUNDED_ATOL = 3e-2  # logprobs of a model whose layers round x, against float32
+ROUNDED_ATOL = 5e-2  # logprobs of a model whose layers round x, against float32
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 # Byte ranges of each block's float16 fields (written finite and small).
 _HALVES = {T.Q8_0: [(0, 2)], T.Q4_0: [(0, 2)], T.Q4_1: [(0, 2), (2, 4)],
@@ -89,15 +87,12 @@ def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int)
     ours = gemv(x, panels) if rows == 1 else panels_matmul(x, panels)
     ref = x.double() @ w.T
     assert ours.shape == (rows, n)
-    if int(fmt) in pk.INT_FORMATS:
-        exact = rounded(x) @ w.T
-        assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-        assert (ours.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
-    else:
-        assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    exact = rounded(x) @ w.T
+    assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert (ours.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("fmt", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_a_row_s_product_is_the_same_number_in_any_batch(fmt) -> None:
     k = 96 if pk.BLOCK_COLS[int(fmt)] == 32 else 256
     raw, panels = packed_weight(fmt, 53, k)
@@ -123,7 +118,7 @@ from gguf import GGMLQuantizationType as T
 torch.set_num_threads(1)
 x = torch.from_numpy(np.load({x!r}))
 out = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
-       for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K)]
+       for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)]
 np.save({out!r}, np.stack(out))
 """
 
@@ -131,7 +126,7 @@ np.save({out!r}, np.stack(out))
 @pytest.mark.parametrize("cpu", [
     "avx2", pytest.param("avx512bw", marks=pytest.mark.slow)])  # a compile each: ~1 min
 def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
-    """The packed Q4_0, Q4_1, Q8_0 and Q4_K products compiled for an older CPU (run here:
+    """The packed products of every format compiled for an older CPU (run here:
     this one has all of its instructions) are bit for bit this machine's."""
     import os
     import subprocess
@@ -153,7 +148,7 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
     theirs = np.load(tmp_path / "out.npy")
     ours = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
-            for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K)]
+            for f in FORMATS]
     assert np.array_equal(theirs, np.stack(ours))
 
 
@@ -165,10 +160,7 @@ def test_a_weight_of_mixed_formats_reads_each_panel_by_its_own() -> None:
     w = torch.cat([dequantize(p.data, p.fmt, (p.rows, k)) for p in parts])
     assert torch.equal(pk.dequantize_panels(panels.weight, 69, k), w)
     x = torch.randn(3, k)
-    # The Q4_K rows (the first 32) and the Q8_0 ones (the last 21) multiply x rounded to
-    # integers.
-    ref = torch.cat([rounded(x) @ w[:32].double().T, x.double() @ w[32:48].double().T,
-                     rounded(x) @ w[48:].double().T], dim=1)
+    ref = rounded(x) @ w.double().T
     for rows in (1, 3):
         ours = gemv(x[:1], panels) if rows == 1 else panels_matmul(x, panels)
         assert (ours.double() - ref[:rows]).abs().max() <= 1e-5 * ref.abs().max()

@@ -234,7 +234,6 @@ class LLMEngine:
         self._grammar_wait: list[Request] = []
         self.speculative_config = args.speculative_config
         self.spec_stats = _SpecStats(self.speculative_config)
-        self._verify_rows = self._verify_rows_cap()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -672,33 +671,6 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def _verify_rows_cap(self) -> int | None:
-        """The most rows (decodes, and speculating sequences' last tokens and drafts) a
-        verifying step should have, or None for no cap: packed GGUF weights on the CPU
-        multiplied by float32 activations (Q5_K, Q6_K) are read packed for up to
-        ``DIRECT_ROWS`` rows and widened to float32 past that (on a 2-vCPU Xeon,
-        SmolLM2's Q4_1 weights read that way: four rows cost 1.7 one-row steps, five
-        3.7). Panels multiplied by integer activations (``INT_FORMATS``) are read
-        packed for any number of rows: no cap where all are."""
-        config = self.speculative_config
-        if (config is None or self.kernel_backend != "numba"
-                or getattr(self.model, "linear_backend", None) != "packed"):
-            return None
-        from rvllm.kernels.cpu.packed import DIRECT_ROWS, INT_FORMATS, panel_formats
-
-        formats: set[int] = set()
-        for module in self.model.modules():
-            panels = getattr(module, "panel_weight", None)
-            if getattr(module, "linear_kind", None) == "packed" and panels is not None:
-                formats |= panel_formats(panels.weight)
-        if formats <= set(INT_FORMATS):
-            return None
-        if config.num_speculative_tokens >= DIRECT_ROWS:
-            logger.info("speculative decoding: at most %d drafts a step on packed weights "
-                        "(a step reads them packed for up to %d rows)", DIRECT_ROWS - 1,
-                        DIRECT_ROWS)
-        return DIRECT_ROWS
-
     def _propose_drafts(self) -> None:
         """Propose the next tokens of every running sequence that decodes and may
         speculate, appended to its tokens so that the scheduler gives it their slots."""
@@ -707,8 +679,6 @@ class LLMEngine:
         running = self.scheduler.running
         if len(running) > config.disable_by_batch_size:
             return
-        # Drafts the step's rows have room for past each running sequence's own.
-        spare = None if self._verify_rows is None else self._verify_rows - len(running)
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not speculation_allowed(
                     seq.params, seq.num_output_tokens):
@@ -730,8 +700,6 @@ class LLMEngine:
             k = min(config.num_speculative_tokens,
                     seq.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            if spare is not None:
-                k = min(k, spare)
             if k < 1:
                 continue
             if self.drafter is not None:
@@ -743,8 +711,6 @@ class LLMEngine:
             if draft:
                 seq.spec_tokens = draft
                 seq.token_ids.extend(draft)
-                if spare is not None:
-                    spare -= len(draft)
 
     def _trim_drafts(self, sched: SchedulerOutput) -> None:
         """Keep of each sequence's drafts the ones its scheduled tokens cover; a sequence

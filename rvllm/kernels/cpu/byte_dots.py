@@ -12,7 +12,8 @@ integers per block of 32 turns a block's products into integer multiply-adds of 
   rint(x * 32385 / amax)`` (within +-32385 = 127 * 255) and the float32 pair (``d = amax /
   32385``, ``d * sum(q)``). Each q is split as ``255 h + l`` with h = q / 255 rounded and
   both bytes signed within +-127. A row's bytes are its K high bytes, its K low bytes,
-  then its K / 32 pairs (``x_row_bytes``).
+  its K / 32 pairs, then the int32 sums of its integers over every 16 columns, for
+  weights stored with an offset per 16 columns (Q6_K's q - 32) (``x_row_bytes``).
 - ``dot_bytes``: 16 int32 lanes, each plus the sum of its four unsigned bytes of one
   vector times the four signed bytes of another: one ``vpdpbusd`` with AVX-512 VNNI;
   without it ``vpmaddubsw`` then ``vpmaddwd`` (AVX-512BW, or AVX2 on two halves), and
@@ -58,22 +59,41 @@ _V8 = ir.VectorType(_I32, 8)
 SCALE = 32385  # 127 * 255: the largest magnitude of a block's integers
 
 
-def x_row_bytes(k: int) -> int:
+@numba.njit(cache=True, inline="always")
+def x_row_bytes(k):
     """Bytes of one rounded row of K values (``quantize_rows``), a multiple of 64."""
-    return -(-(2 * k + 8 * (k // BLOCK)) // 64) * 64
+    return (2 * k + 16 * (k // BLOCK) + 63) // 64 * 64
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True, inline="always")
+def _round16(xb, inv, hb, lb, first):
+    """Columns first .. first + 15 of a block xb rounded into its high and low bytes;
+    the sum of their integers (under 2^24: exact in float32)."""
+    # In float32, where it vectorizes: integers this small are exact, and q / 255 lies
+    # at least 0.002 from a tie, so its rounding h leaves |q - 255 h| <= 127.
+    total = np.float32(0.0)
+    for i in range(first, first + 16):
+        q = np.rint(xb[i] * inv)
+        h = np.rint(q * np.float32(1.0 / 255.0))
+        hb[i] = np.int32(h)
+        lb[i] = np.int32(q - np.float32(255.0) * h)
+        total += q
+    return total
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def quantize_rows(x, out):
     """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
-    uint8: row b's K high bytes, K low bytes (int8) and K / 32 float32 pairs (d, d * sum
-    of the block's integers). A block of zeros is integers 0 with d = 0."""
+    uint8: row b's K high bytes, K low bytes (int8), K / 32 float32 pairs (d, d * sum
+    of the block's integers) and K / 16 int32 sums of its integers over 16 columns. A
+    block of zeros is integers 0 with d = 0."""
     k = x.shape[1]
     blocks = k // BLOCK
     for b in range(x.shape[0]):
         high = out[b, :k].view(np.int8)
         low = out[b, k:2 * k].view(np.int8)
         pairs = out[b, 2 * k:2 * k + 8 * blocks].view(np.float32)
+        sixteens = out[b, 2 * k + 8 * blocks:2 * k + 16 * blocks].view(np.int32)
         for j in range(blocks):
             xb = x[b, j * BLOCK:j * BLOCK + BLOCK]
             amax = np.float32(0.0)
@@ -82,25 +102,19 @@ def quantize_rows(x, out):
             inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
             hb = high[j * BLOCK:j * BLOCK + BLOCK]
             lb = low[j * BLOCK:j * BLOCK + BLOCK]
-            # In float32, where it vectorizes: integers this small are exact, and q / 255
-            # lies at least 0.002 from a tie, so its rounding h leaves |q - 255 h| <= 127.
-            total = np.float32(0.0)
-            for i in range(BLOCK):
-                q = np.rint(xb[i] * inv)
-                h = np.rint(q * np.float32(1.0 / 255.0))
-                hb[i] = np.int32(h)
-                lb[i] = np.int32(q - np.float32(255.0) * h)
-                total += q
+            first = _round16(xb, inv, hb, lb, 0)
+            second = _round16(xb, inv, hb, lb, 16)
+            sixteens[2 * j] = np.int32(first)
+            sixteens[2 * j + 1] = np.int32(second)
             d = amax / np.float32(SCALE)
             pairs[2 * j] = d
-            pairs[2 * j + 1] = d * total
+            pairs[2 * j + 1] = d * (first + second)
 
 
 @numba.njit(cache=True)
 def rounded_rows(x):
     """``quantize_rows`` of x into a new buffer [B, x_row_bytes(K)]."""
-    k = x.shape[1]
-    out = np.empty((x.shape[0], (2 * k + 8 * (k // BLOCK) + 63) // 64 * 64), np.uint8)
+    out = np.empty((x.shape[0], x_row_bytes(x.shape[1])), np.uint8)
     quantize_rows(x, out)
     return out
 
@@ -108,8 +122,8 @@ def rounded_rows(x):
 @numba.njit(parallel=True, cache=True)
 def rounded_rows_parallel(x, parts):
     """``rounded_rows`` for many rows, ``parts`` shares of them side by side."""
-    k, m = x.shape[1], x.shape[0]
-    out = np.empty((m, (2 * k + 8 * (k // BLOCK) + 63) // 64 * 64), np.uint8)
+    m = x.shape[0]
+    out = np.empty((m, x_row_bytes(x.shape[1])), np.uint8)
     for part in numba.prange(parts):
         lo, hi = m * part // parts, m * (part + 1) // parts
         quantize_rows(x[lo:hi], out[lo:hi])
@@ -170,6 +184,47 @@ def dot_bytes(context, builder: ir.IRBuilder, acc: ir.Value, a: ir.Value,  # noq
         part = builder.shuffle_vector(products, products, _lanes([4 * i + j for i in range(16)]))
         acc = builder.add(acc, part)
     return acc
+
+
+def dot_bytes_sum(context, builder: ir.IRBuilder, pairs: list[tuple[ir.Value, ir.Value]],  # noqa: ANN001
+                  fits: int) -> ir.Value:
+    """<16 x i32>: the sum of ``dot_bytes`` over ``pairs`` (unsigned a, signed b), exactly.
+    Without VNNI, ``vpmaddubsw``'s 16-bit pairs of up to ``fits`` of them are summed as
+    16-bit integers before one ``vpmaddwd`` widens them (the caller's bound: e.g. 4-bit
+    weights by bytes within +-127, 8 pairs of 2 * 15 * 127), which halves the multiplies
+    of a sum done ``vpmaddwd`` by ``vpmaddubsw``."""
+    features = _features(context)
+    zero = ir.Constant(V32, [0] * 16)
+    if _vnni(context) or fits < 2 or ("+avx512bw" not in features and "+avx2" not in features):
+        # Two chains: one chain for a one-row pass waited on each product's latency.
+        chains = [zero, zero]
+        for g, (a, b) in enumerate(pairs):
+            chains[g % 2] = dot_bytes(context, builder, chains[g % 2], a, b)
+        return builder.add(chains[0], chains[1])
+    if "+avx512bw" in features:
+        parts = [[(builder.bitcast(a, _B64), builder.bitcast(b, _B64))] for a, b in pairs]
+        madd, wide, words, widen = "llvm.x86.avx512.pmaddubs.w.512", V32, _W32, \
+            "llvm.x86.avx512.pmaddw.d.512"
+    else:
+        parts = [[(builder.bitcast(x, _B32), builder.bitcast(y, _B32))
+                  for x, y in zip(_halves(builder, a), _halves(builder, b))] for a, b in pairs]
+        madd, wide, words, widen = "llvm.x86.avx2.pmadd.ub.sw", _V8, _W16, \
+            "llvm.x86.avx2.pmadd.wd"
+    ones = ir.Constant(words, [1] * words.count)
+    sums = []
+    for h in range(len(parts[0])):  # each register's lanes (two halves on AVX2)
+        total = None
+        for first in range(0, len(parts), fits):
+            short = None
+            for part in parts[first:first + fits]:
+                product = _call(builder, madd, words, list(part[h]))
+                short = product if short is None else builder.add(short, product)
+            widened = _call(builder, widen, wide, [short, ones])
+            total = widened if total is None else builder.add(total, widened)
+        sums.append(total)
+    if len(sums) == 1:
+        return sums[0]
+    return builder.shuffle_vector(sums[0], sums[1], _lanes(list(range(16))))
 
 
 def splat_i32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:

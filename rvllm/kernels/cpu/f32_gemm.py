@@ -25,7 +25,7 @@ from numba import prange
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu.byte_dots import rounded_rows_parallel
 from rvllm.kernels.cpu.gemv import _EMPTY, PANEL, Panels, _matvec
-from rvllm.kernels.cpu.packed import DIRECT_ROWS, dequant_panel, int_panel, packed_dots
+from rvllm.kernels.cpu.packed import PASS_ROWS, packed_dots
 from rvllm.kernels.cpu.threads import match_torch_threads
 from rvllm.kernels.cpu.vectors import ROWS, rows_times_tile
 
@@ -75,14 +75,13 @@ def matmul_into(x, w, out, threads):
 
 
 @numba.njit(cache=True, inline="always")
-def _int_chunk(x, xq, r0, count, w, p, out, sums):
-    """Outputs 16p.. of out's rows [r0, r0 + count) = those rows times packed panel p of
-    ``INT_FORMATS``, four rows at a time from their integer roundings xq."""
+def _int_chunk(xq, r0, count, w, p, out, sums):
+    """Outputs 16p.. of out's rows [r0, r0 + count) = those rows times packed panel p,
+    four rows at a time from their integer roundings xq."""
     n = out.shape[1]
-    xs = np.empty((0, 0), np.float32)
-    for b0 in range(r0, r0 + count, DIRECT_ROWS):
-        rows = min(DIRECT_ROWS, r0 + count - b0)
-        packed_dots(w, p, x, b0, rows, xs, xq, sums.ctypes.data)
+    for b0 in range(r0, r0 + count, PASS_ROWS):
+        rows = min(PASS_ROWS, r0 + count - b0)
+        packed_dots(w, p, xq, b0, rows, sums.ctypes.data)
         for b in range(rows):
             for j in range(min(PANEL, n - p * PANEL)):
                 out[b0 + b, p * PANEL + j] = sums[b, j]
@@ -90,28 +89,20 @@ def _int_chunk(x, xq, r0, count, w, p, out, sums):
 
 @numba.njit(parallel=True, cache=True)
 def packed_matmul_into(x, w, out, threads):
-    """``matmul_into`` for packed panels w (``packed``): a panel of ``INT_FORMATS`` read
-    from its bytes for every four rows of a chunk, with their integer roundings (as
-    ``gemv``'s few rows: each row's outputs are the same numbers in any batch); any other
-    widened once per chunk of rows into a float32 scratch panel in the L1/L2, which the
-    same tiles then multiply by every six rows of the chunk."""
+    """``matmul_into`` for packed panels w (``packed``): each panel read from its bytes
+    for every four rows of a chunk, with their integer roundings (as ``gemv``'s few rows:
+    each row's outputs are the same numbers in any batch)."""
     m, k = x.shape
     panels = w.shape[0]
     chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
     xq = rounded_rows_parallel(x, threads)
     for t in prange(threads):
         lo, hi = panels * t // threads, panels * (t + 1) // threads
-        edge = np.empty((min(chunk, m), PANEL), np.float32)
-        scratch = np.empty((1, k, PANEL), np.float32)
-        sums = np.empty((DIRECT_ROWS, PANEL), np.float32)
+        sums = np.empty((PASS_ROWS, PANEL), np.float32)
         for r0 in range(0, m, chunk):
             count = min(chunk, m - r0)
             for p in range(lo, hi):
-                if int_panel(w, p):
-                    _int_chunk(x, xq, r0, count, w, p, out, sums)
-                    continue
-                dequant_panel(w, p, scratch)
-                _chunk_by_panel(x, r0, count, scratch.ctypes.data, out, p, edge)
+                _int_chunk(xq, r0, count, w, p, out, sums)
 
 
 def panels_matmul(x: torch.Tensor, weight: Panels) -> torch.Tensor:
@@ -120,7 +111,7 @@ def panels_matmul(x: torch.Tensor, weight: Panels) -> torch.Tensor:
     more through ``packed_matmul_into``."""
     threads = numba.get_num_threads()
     out = torch.empty(x.shape[0], weight.rows)
-    if x.shape[0] > 2 * DIRECT_ROWS:
+    if x.shape[0] > 2 * PASS_ROWS:
         packed_matmul_into(x.numpy(), weight.weight, out.numpy(), np.int64(threads))
     else:
         _matvec(x.numpy(), weight.weight, weight.scale, _EMPTY, out.numpy(), threads)

@@ -51,13 +51,10 @@ from numba.extending import intrinsic, overload
 from rvllm.host_memory import empty_huge_pages
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu.packed import (
-    DIRECT_ROWS,
-    dequant_panel,
-    int_panel,
+    PASS_ROWS,
     packed_dots,
     packed_rows,
     rounded_x,
-    x_sums,
 )
 from rvllm.kernels.cpu.panels import Panels, packed_cols
 from rvllm.kernels.cpu.vectors import _F32, _FAST, _VEC, LANES, _fma, _int, _splat, _vector_at
@@ -297,29 +294,14 @@ def _put_panel(out, p, s, rows, b0, sums, scale, bias):
 
 @numba.njit(fastmath=True, cache=True)
 def _packed_into(x, w, scale, bias, out, lo, hi, sums, xq):
-    """``_panels_into`` for packed panels (``packed``). A panel of ``INT_FORMATS`` is read
-    straight from its bytes for every four rows of x, with x's integer roundings xq
-    (``rounded_x``). Any other is read the same way with float32 x when x has at most
-    ``DIRECT_ROWS`` rows; with more it is widened once into a float32 scratch panel,
-    which the float32 passes multiply by every four rows."""
+    """``_panels_into`` for packed panels (``packed``): each read straight from its bytes
+    for every four rows of x, with x's integer roundings xq (``rounded_x``)."""
     batch = x.shape[0]
-    xs = x_sums(x) if batch <= DIRECT_ROWS else np.empty((0, 0), np.float32)
-    scratch = np.empty((1, x.shape[1] if batch > DIRECT_ROWS else 0, PANEL), np.float32)
     for p in range(lo, hi):
-        if batch <= DIRECT_ROWS:
-            packed_dots(w, p, x, 0, batch, xs, xq, sums.ctypes.data)
-            _put_panel(out, p, 0, batch, 0, sums, scale, bias)
-        elif int_panel(w, p):
-            for b0 in range(0, batch, DIRECT_ROWS):
-                rows = min(DIRECT_ROWS, batch - b0)
-                packed_dots(w, p, x, b0, rows, xs, xq, sums.ctypes.data)
-                _put_panel(out, p, 0, rows, b0, sums, scale, bias)
-        else:
-            dequant_panel(w, p, scratch)
-            for b0 in range(0, batch, ROWS):
-                rows = min(ROWS, batch - b0)
-                _panel_dots(scratch, 0, x, b0, rows, sums)
-                _put_panel(out, p, 0, rows, b0, sums, scale, bias)
+        for b0 in range(0, batch, PASS_ROWS):
+            rows = min(PASS_ROWS, batch - b0)
+            packed_dots(w, p, xq, b0, rows, sums.ctypes.data)
+            _put_panel(out, p, 0, rows, b0, sums, scale, bias)
 
 
 @numba.njit(fastmath=True, cache=True, inline="always")

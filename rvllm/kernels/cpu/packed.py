@@ -10,13 +10,12 @@ takes that many times longer to read them. Here they stay in their blocks.
 as the float32 and int8 ones are (``gemv``), so that one 16-lane vector is one column
 of 16 rows: panel p is a 64-byte header (its format's code, K, and the panel's bytes
 over 16) and then, for each of the row's blocks in K order, the 16 rows' blocks with
-each field turned lane-innermost. A field of one byte a weight (a k-quant's 6-bit
-sub-block scales, unpacked to a byte each) becomes a 16-byte vector a column; two
-nibbles a byte become a 16-byte vector holding two columns (low and high nibble); the
-float16 scales a 32-byte vector of 16. Q4_0's, Q4_1's and Q4_K's nibble bytes and Q8_0's
-integers go four byte columns together instead, each row's four bytes one int32 lane
-(``_dword_groups``), as the byte products take them. The bytes are the file's, but for
-Q4_K's and Q5_K's sub-block scales and minima, unpacked from 12 bytes to 16 (+2.8% and
+each field turned lane-innermost: a k-quant's sub-block scales (6-bit ones unpacked to a
+byte each) become a 16-byte vector a sub-block, and the float16 scales a 32-byte vector
+of 16. The integers' bytes (nibbles, Q5_K's and Q6_K's high bits, Q8_0's bytes) go four
+byte columns together, each row's four bytes one int32 lane (``_dword_groups``), as the
+byte products take them. The bytes are the file's, but for Q4_K's and Q5_K's sub-block
+scales and minima, unpacked from 12 bytes to 16 (+2.8% and
 +2.3% of those formats' bytes). Rows past N are zero blocks. Panels of one weight may
 differ in format (a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel
 is read by its own header, and panels of a weight are all as long as the longest.
@@ -26,38 +25,27 @@ weight is ``scale * q - offset`` for an integer q and a (scale, offset) pair per
 block of 16 or 32 columns (Q4_0: d, 8 d; Q4_1: d, -m; Q8_0: d, 0; Q4_K/Q5_K: d sc,
 dmin m; Q6_K: d sc, 32 d sc).
 
-**Arithmetic.** Q4_0, Q4_1, Q8_0 and Q4_K panels (``INT_FORMATS``: the default SmolLM2
-file's layers and its tied LM head, every int4 weight, most of a Q4_K_M file) multiply x
-rounded to 16-bit integers per block of 32, held as two bytes (``byte_dots``), bytes by
-bytes: ``_int_dots`` takes 1-4 rows of x a pass over the panel for any number of rows,
-and gives each row the same number whatever the batch. Q8_0's signed integers go through
-``byte_dots.dot_signed``; a Q4_K block is eight sub-blocks of 32, each with its own
-scale and minimum, so it adds eight such block products.
-The result is the float32 product of the dequantized weight with that rounded x (tested
-within 1e-5 of a float64 product), about 2e-5 of the largest output off the product with
-x itself on random data. Widening these weights to float32 instead kept a thread at about
-20 G weights/s of Q4_1 from the cache on a 2-vCPU Xeon with AVX-512 VNNI, below its
-memory's read, and each more row of x cost nearly as much again; the byte products run
-one row at about 50 G weights/s from the cache and four rows at about 20 each, so that
-from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G weights/s for one row
-and 18.5 for four (widened: 16 and 11.5).
+**Arithmetic.** Every format multiplies x rounded to 16-bit integers per block of 32,
+held as two bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4 rows of x a
+pass over the panel for any number of rows, and gives each row the same number whatever
+the batch. Q8_0's signed integers go through ``byte_dots.dot_signed``; a Q4_K or Q5_K
+block is eight sub-blocks of 32, each with its own scale and minimum, so it adds eight
+such block products (Q5_K's fifth bits are put on the nibbles in registers); a Q6_K
+block is sixteen sub-blocks of 16 columns with a signed scale, whose unsigned 6-bit q
+have their offset of 32 taken off with x's integer sums over 16 columns, in the
+integers. The result is the float32 product of the dequantized weight with that rounded
+x (tested within 1e-5 of a float64 product), about 2e-5 of the largest output off the
+product with x itself on random data. Widening these weights to float32 instead kept a
+thread at about 20 G weights/s of Q4_1 from the cache on a 2-vCPU Xeon with AVX-512
+VNNI, below its memory's read, and each more row of x cost nearly as much again; the
+byte products run one row at about 50 G weights/s from the cache and four rows at about
+20 each, so that from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G
+weights/s for one row and 18.5 for four (widened: 16 and 11.5).
 
-Q5_K and Q6_K keep x in float32. For each sub-block and row of x the kernel sums
-``q * x`` over its columns (the integers widened to float32 in registers, one multiply-
-add per column for 16 rows) and then adds ``scale * sum - offset * (sum of x over the
-sub-block)``; the sums of x over every 16 columns are made once per call. So the result
-is the float32 product with the dequantized weight up to the order of the sums (tested
-within 1e-5 relative of a float64 product with ``models.dequant``'s weights).
-
-- ``_int_dots1`` .. ``_int_dots4``: one Q4_0/Q4_1/Q8_0/Q4_K panel times 1-4 rounded rows
-  of x.
-- ``_dots1`` .. ``_dots4``: one panel of another format times 1-4 rows of x, straight
-  from the packed bytes: the one-row GEMV of decode and the few-row steps.
-- ``_dequant_panel``: one panel widened into a float32 scratch panel [K, 16]: with more
-  rows than ``DIRECT_ROWS`` a panel of another format is widened once and then
-  multiplied by every four rows of x with ``gemv``'s float32 passes (past 8 rows, by
-  ``f32_gemm``'s six-row tiles), its scratch in the L1/L2 cache; embedding rows are
-  looked up through it.
+- ``_int_dots1`` .. ``_int_dots4``: one panel times 1-4 rounded rows of x: the one-row
+  GEMV of decode, and every four rows of a wider step.
+- ``_dequant_panel``: one panel widened into a float32 [K, 16]: embedding rows are looked
+  up through it, and tools read a whole weight back with it.
 
 ``gemv._panels_into`` and the compiled decode steps take these panels (uint8
 ``Panels``) beside the float32 and int8 ones; ``packed_rows`` dequantizes embedding rows
@@ -80,7 +68,7 @@ from numba.extending import intrinsic, overload
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu.byte_dots import (
     V32,
-    dot_bytes,
+    dot_bytes_sum,
     dot_signed,
     rounded_rows,
     signed_weights,
@@ -103,9 +91,7 @@ from rvllm.kernels.cpu.vectors import (
 
 PANEL = LANES
 HEADER = 64  # bytes of a panel's header: format code, K, panel bytes / 16
-# With more rows of x than this a panel is widened to float32 once, then multiplied
-# (``_dequant_panel``); with at most this many it is read packed for each four rows.
-DIRECT_ROWS = 4
+PASS_ROWS = 4  # rows of x a pass over a panel multiplies (``_int_dots1`` .. ``_int_dots4``)
 
 # GGML type codes (``models.ggml_types.GGMLType``) of the formats kept packed.
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
@@ -113,10 +99,6 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q
                 Q6_K: "Q6_K"}
 # Columns a block covers, bytes of a GGUF block (one row), bytes of a panel block (16).
 BLOCK_COLS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
-# Formats multiplied by rounded integer activations (``_int_dots``), and by float32 ones
-# (``_dots``).
-INT_FORMATS = (Q4_0, Q4_1, Q8_0, Q4_K)
-FLOAT_FORMATS = tuple(f for f in BLOCK_COLS if f not in INT_FORMATS)
 TYPE_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 PANEL_BLOCK_BYTES = {Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368, Q5_K: 2880, Q6_K: 3360}
 
@@ -136,8 +118,8 @@ def _lanes_inner(field: np.ndarray) -> np.ndarray:
 
 
 def _dword_groups(field: np.ndarray) -> np.ndarray:
-    """[P, 16, nb, 16] nibble bytes of a 32-column block -> [P, nb, 256]: for each group
-    of 4 byte columns, the 16 rows' 4 bytes in row order (an int32 lane a row)."""
+    """[P, 16, nb, width] bytes of a field -> [P, nb, width * 16]: for each group of 4
+    byte columns, the 16 rows' 4 bytes in row order (an int32 lane a row)."""
     p, _, nb, width = field.shape
     grouped = field.reshape(p, PANEL, nb, width // 4, 4)
     return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(p, nb, width * PANEL)
@@ -170,13 +152,13 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
                   _dword_groups(blocks[..., 4:20])]
     elif fmt in (Q4_K, Q5_K):
         sc, mn = _k_scales(blocks[..., 4:16])
-        quants = ([_lanes_inner(blocks[..., 16:48]), _lanes_inner(blocks[..., 48:176])]
+        quants = ([_dword_groups(blocks[..., 16:48]), _dword_groups(blocks[..., 48:176])]
                   if fmt == Q5_K else [_dword_groups(blocks[..., 16:144])])
         fields = [_halves_inner(blocks[..., 0:2]), _halves_inner(blocks[..., 2:4]),
                   _lanes_inner(sc), _lanes_inner(mn), *quants]
     elif fmt == Q6_K:
         fields = [_halves_inner(blocks[..., 208:210]), _lanes_inner(blocks[..., 192:208]),
-                  _lanes_inner(blocks[..., 0:128]), _lanes_inner(blocks[..., 128:192])]
+                  _dword_groups(blocks[..., 0:128]), _dword_groups(blocks[..., 128:192])]
     else:
         raise ValueError(f"no packed layout for GGML type {fmt}")
     return np.concatenate(fields, axis=-1)
@@ -319,6 +301,14 @@ def _scalar_splat(value: float) -> ir.Constant:
     return ir.Constant(_VEC, [value] * LANES)
 
 
+def _product(builder: ir.IRBuilder, a: ir.Value, b: ir.Value) -> ir.Value:
+    """a * b rounded once, as ``fma(a, b, -0.0)``: numba gives the kernels' plain float
+    multiplies fast-math flags, under which LLVM reassociated products such as d * sc *
+    dx differently in the one-row and the four-row passes (so a row's result depended
+    on its batch)."""
+    return _fma(builder, a, b, _scalar_splat(-0.0))
+
+
 def _group_columns(builder: ir.IRBuilder, base: ir.Value, i: ir.Value) -> list[ir.Value]:
     """The 16 lanes' bytes of each of the 4 byte columns of group i of a ``_dword_groups``
     field: byte j of each row's int32."""
@@ -382,30 +372,31 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
     if fmt == Q5_K:
         d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
         sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
-        qh = _at(builder, blk, 320)
-        nib = _at(builder, blk, 320 + 512)
+        qh, qs = _at(builder, blk, 320), _at(builder, blk, 320 + 512)
+        one = _byte_splat(1)
         loops = []
-        for chunk in range(4):
-            subs = (2 * chunk, 2 * chunk + 1)
-            scales = [_fmul(builder, d, _unsigned(builder, _column_bytes(builder, sc, s,
-                                                                        _int(0))))
-                      for s in subs]
-            offsets = [_fmul(builder, dmin, _unsigned(builder, _column_bytes(builder, mn, s,
-                                                                            _int(0))))
-                       for s in subs]
+        for chunk in range(4):  # 64 columns: low nibbles 0-31, high ones 32-63, bit 5 in qh
+            scales, offsets = [], []
+            for s in (2 * chunk, 2 * chunk + 1):
+                scale = _unsigned(builder, _column_bytes(builder, sc, s, _int(0)))
+                offset = _unsigned(builder, _column_bytes(builder, mn, s, _int(0)))
+                scales += [_fmul(builder, d, scale)] * 4
+                offsets += [_fmul(builder, dmin, offset)] * 4
 
-            def k_nibbles(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
-                b = _column_bytes(builder, nib, 32 * chunk, i)
-                low, high = builder.and_(b, lo), builder.lshr(b, four)
-                h = _column_bytes(builder, qh, 0, i)
-                one = _byte_splat(1)
-                low = builder.or_(low, builder.shl(builder.and_(
-                    builder.lshr(h, _byte_splat(2 * chunk)), one), four))
-                high = builder.or_(high, builder.shl(builder.and_(
-                    builder.lshr(h, _byte_splat(2 * chunk + 1)), one), four))
-                return [_unsigned(builder, low), _unsigned(builder, high)]
+            def k5_groups(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
+                cols = _group_columns(builder, _at(builder, qs, 512 * chunk), i)
+                tops = _group_columns(builder, qh, i)
+                fifth = [[builder.shl(builder.and_(builder.lshr(h, _byte_splat(2 * chunk + t)),
+                                                   one), four) for h in tops] for t in range(2)]
+                return ([_unsigned(builder, builder.or_(builder.and_(b, lo), f))
+                         for b, f in zip(cols, fifth[0])]
+                        + [_unsigned(builder, builder.or_(builder.lshr(b, four), f))
+                           for b, f in zip(cols, fifth[1])])
 
-            loops.append(_Loop(32, [64 * chunk, 64 * chunk + 32], scales, offsets, k_nibbles))
+            first = 64 * chunk
+            loops.append(_Loop(8, [first + j for j in range(4)]
+                               + [first + 32 + j for j in range(4)], scales, offsets,
+                               k5_groups, step=4))
         return loops
     if fmt == Q6_K:
         d = _halves(builder, blk)
@@ -413,36 +404,40 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
         three = _byte_splat(3)
         loops = []
         for half in range(2):  # 128 columns each
-            for part in range(2):  # columns l = 16 part .. 16 part + 15 of each quarter
-                subs = [8 * half + part + 2 * t for t in range(4)]
-                scales = [_fmul(builder, d, builder.sitofp(_column_bytes(builder, sc, s,
-                                                                         _int(0)), _VEC))
-                          for s in subs]
+            for part in range(2):  # columns 16 part .. 16 part + 15 of each 32 (quarter t)
+                subs = [8 * half + 2 * t + part for t in range(4)]
+                scales = []
+                for s in subs:
+                    scales += [_fmul(builder, d, builder.sitofp(_column_bytes(
+                        builder, sc, s, _int(0)), _VEC))] * 4
                 offsets = [_fmul(builder, s, _scalar_splat(32.0)) for s in scales]
 
                 def six_bits(i: ir.Value, half: int = half, part: int = part) -> list[ir.Value]:
-                    a = _column_bytes(builder, ql, 64 * half + 16 * part, i)
-                    b = _column_bytes(builder, ql, 64 * half + 32 + 16 * part, i)
-                    h = _column_bytes(builder, qh, 32 * half + 16 * part, i)
-                    tops = [builder.shl(builder.and_(builder.lshr(h, _byte_splat(2 * t)),
-                                                     three), four) for t in range(4)]
-                    qs = [builder.or_(builder.and_(a, lo), tops[0]),
-                          builder.or_(builder.and_(b, lo), tops[1]),
-                          builder.or_(builder.lshr(a, four), tops[2]),
-                          builder.or_(builder.lshr(b, four), tops[3])]
-                    return [_unsigned(builder, q) for q in qs]
+                    g = builder.add(i, _int(4 * part))
+                    a = _group_columns(builder, _at(builder, ql, 64 * 16 * half), g)
+                    b = _group_columns(builder, _at(builder, ql, 64 * (16 * half + 8)), g)
+                    h = _group_columns(builder, _at(builder, qh, 64 * 8 * half), g)
+                    qs = []
+                    for t in range(4):
+                        src = a if t % 2 == 0 else b
+                        for j in range(4):
+                            low = (builder.and_(src[j], lo) if t < 2
+                                   else builder.lshr(src[j], four))
+                            top = builder.and_(builder.lshr(h[j], _byte_splat(2 * t)), three)
+                            qs.append(_unsigned(builder, builder.or_(low, builder.shl(top,
+                                                                                      four))))
+                    return qs
 
-                cols = [128 * half + 16 * part + 32 * t for t in range(4)]
-                loops.append(_Loop(16, cols, scales, offsets, six_bits))
+                cols = [128 * half + 32 * t + 16 * part + j for t in range(4) for j in range(4)]
+                loops.append(_Loop(4, cols, scales, offsets, six_bits, step=4))
         return loops
     raise AssertionError(fmt)
 
 
 def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
-                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None],
-                     formats: tuple[int, ...] = tuple(BLOCK_COLS)) -> None:
+                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None]) -> None:
     """Run ``body(fmt, first block's address, block count, panel bytes)`` for the format
-    the panel's header names (a switch over ``formats``; any other code does nothing)."""
+    the panel's header names (a switch over the formats; any other code does nothing)."""
     fmt = builder.load(builder.inttoptr(panel, _I64.as_pointer()), align=8)
     cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()), align=8)
     stride16 = builder.load(builder.inttoptr(_at(builder, panel, 16), _I64.as_pointer()),
@@ -451,7 +446,7 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
     data = _at(builder, panel, HEADER)
     end = builder.append_basic_block("packed.end")
     switch = builder.switch(fmt, end)
-    for code in formats:
+    for code in BLOCK_COLS:
         case = builder.append_basic_block(f"packed.{FORMAT_NAMES[code]}")
         switch.add_case(ir.Constant(_I64, code), case)
         builder.position_at_end(case)
@@ -467,80 +462,8 @@ def _store_rows(builder: ir.IRBuilder, acc: list[ir.Value], out: ir.Value) -> No
         builder.store(builder.load(a), builder.inttoptr(at, _VEC.as_pointer()), align=4)
 
 
-def _dots(rows: int):
-    """An intrinsic: out[b, 0:16] = x[b] . the panel's 16 rows, for the ``rows`` rows of
-    x at x + b * x_step (bytes; float32), xs their sums over every 16 columns at xs + b *
-    xs_step, the panel at address ``panel``, out float32 [rows, 16]. Each block asks
-    for the same block of the next panel as it goes: widening the blocks keeps the
-    core busy, and the hardware's prefetchers alone left a thread reading the panels
-    from memory at half the rate it computes them from the cache (SmolLM2's Q4_1
-    layers: 9.6 against 20 G weights/s on one thread)."""
-
-    @intrinsic
-    def dots(typingctx, panel, x, x_step, xs, xs_step, out):
-        def codegen(context, builder, signature, args):
-            panel, x, x_step, xs, xs_step, out = args
-            zero = ir.Constant(_VEC, [0.0] * LANES)
-            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
-
-            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
-                for a in acc:
-                    builder.store(zero, a)
-                with cgutils.for_range(builder, blocks) as block:
-                    blk = builder.add(data, builder.mul(block.index,
-                                                        _int(PANEL_BLOCK_BYTES[fmt])))
-                    ahead = builder.add(blk, stride)
-                    for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
-                        prefetch_line(builder, builder.add(ahead, _int(64 * line)))
-                    col0 = builder.mul(block.index, _int(BLOCK_COLS[fmt]))
-                    for loop in _loops(builder, fmt, blk):
-                        sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
-                                for _ in loop.cols]
-                        for per in sums:
-                            for s in per:
-                                builder.store(zero, s)
-                        with cgutils.for_range(builder, _int(loop.count)) as step:
-                            i = step.index
-                            qs = loop.decode(i)
-                            for s, (first, q) in enumerate(zip(loop.cols, qs)):
-                                col = builder.add(col0, builder.add(i, _int(first)))
-                                for b in range(rows):
-                                    at = builder.add(builder.add(x, builder.mul(_int(b), x_step)),
-                                                     builder.mul(col, _int(4)))
-                                    xv = builder.load(builder.inttoptr(at, _F32.as_pointer()),
-                                                      align=4)
-                                    builder.store(_fma(builder, _splat(builder, xv), q,
-                                                       builder.load(sums[s][b])), sums[s][b])
-                        for s, first in enumerate(loop.cols):
-                            group = builder.sdiv(builder.add(col0, _int(first)), _int(16))
-                            for b in range(rows):
-                                total = _fma(builder, loop.scales[s], builder.load(sums[s][b]),
-                                             builder.load(acc[b]))
-                                if loop.offsets[s] is not None:
-                                    row_xs = builder.add(xs, builder.mul(_int(b), xs_step))
-                                    xsum = None
-                                    for g in range(loop.count // 16):
-                                        at = builder.add(row_xs, builder.mul(
-                                            builder.add(group, _int(g)), _int(4)))
-                                        v = builder.load(builder.inttoptr(at, _F32.as_pointer()),
-                                                         align=4)
-                                        xsum = v if xsum is None else builder.fadd(
-                                            xsum, v, flags=_FAST)
-                                    neg = builder.fsub(_scalar_splat(0.0), loop.offsets[s],
-                                                       flags=_FAST)
-                                    total = _fma(builder, neg, _splat(builder, xsum), total)
-                                builder.store(total, acc[b])
-
-            _for_each_format(builder, panel, walk, FLOAT_FORMATS)
-            _store_rows(builder, acc, out)
-            return context.get_dummy_value()
-
-        return types.void(*(types.int64,) * 6), codegen
-
-    return dots
-
-
-_dots1, _dots2, _dots3, _dots4 = (_dots(rows) for rows in range(1, DIRECT_ROWS + 1))
+def _splat_i(value: int) -> ir.Constant:
+    return ir.Constant(V32, [value] * LANES)
 
 
 def _int_dots(rows: int):
@@ -564,10 +487,10 @@ def _int_dots(rows: int):
         def codegen(context, builder, signature, args):
             panel, xq, xq_step, out = args
             zero = ir.Constant(_VEC, [0.0] * LANES)
-            izero = ir.Constant(V32, [0] * LANES)
             mask = ir.Constant(V32, [0x0F0F0F0F] * LANES)
             four = ir.Constant(V32, [4] * LANES)
             eight = ir.Constant(V32, [8] * LANES)
+            ones = ir.Constant(V32, [0x01010101] * LANES)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
             cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()),
                                 align=8)
@@ -577,38 +500,49 @@ def _int_dots(rows: int):
                                                       V32.as_pointer()), align=1)
                         for g in range(count)]
 
-            def nibble_dots(nibbles: list[ir.Value]) -> Callable[[list[ir.Value]], ir.Value]:
+            def nibble_dots(nibbles: list[ir.Value],
+                            top: int = 15) -> Callable[[list[ir.Value]], ir.Value]:
+                """The products of groups of unsigned weights up to ``top`` by x's words."""
+                fits = 32767 // (2 * top * 127)  # vpmaddubsw's pairs summed in 16 bits
+
                 def dots(words: list[ir.Value]) -> ir.Value:
-                    # Two chains: one chain for a one-row pass waited on each product's
-                    # latency.
-                    pair = [izero, izero]
-                    for g in range(8):
-                        pair[g % 2] = dot_bytes(context, builder, pair[g % 2], nibbles[g],
-                                                splat_i32(builder, words[g]))
-                    return builder.add(pair[0], pair[1])
+                    return dot_bytes_sum(context, builder, [
+                        (nib, splat_i32(builder, word)) for nib, word in zip(nibbles, words)],
+                        fits)
                 return dots
 
             def add_block(b: int, xblock: ir.Value, dots: Callable[[list[ir.Value]], ir.Value],
-                          d: ir.Value, offset: ir.Value | None) -> None:
+                          d: ir.Value, offset: ir.Value | None,
+                          part: ir.Value | None = None) -> None:
                 """Row b's products with x's block ``xblock`` of 32 columns, added:
                 ``dots(x's 8 words)`` for its high bytes and its low ones, then d * dx *
-                (255 high + low) + offset * (dx * sum q)."""
+                (255 high + low) + offset * (dx * sum q). With ``part`` (i64 0 or 1), only
+                that half of the block's columns: ``dots`` of its 4 words, and the
+                weights' offset of 32 (Q6_K's q - 32) taken off in the integers."""
                 row = builder.add(xq, builder.mul(_int(b), xq_step))
+                first = builder.mul(xblock, _int(32))
+                if part is not None:
+                    first = builder.add(first, builder.mul(part, _int(16)))
                 chains = []
                 for half in range(2):  # the high bytes, then the low ones
-                    qs = builder.add(builder.add(row, builder.mul(cols, _int(half))),
-                                     builder.mul(xblock, _int(32)))
+                    qs = builder.add(builder.add(row, builder.mul(cols, _int(half))), first)
                     chains.append(dots([builder.load(builder.inttoptr(
                         _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
-                        for c in range(8)]))  # x's bytes 4c..4c+3 of the block
+                        for c in range(8 if part is None else 4)]))  # x's bytes 4c..4c+3
                 high, low = chains
                 total = builder.add(builder.sub(builder.shl(high, eight), high), low)
                 scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
                                      builder.mul(xblock, _int(8)))
+                if part is not None:  # the int32 sums over 16 columns, after the pairs
+                    at = builder.add(builder.add(row, builder.add(builder.mul(cols, _int(2)),
+                                                                  builder.sdiv(cols, _int(4)))),
+                                     builder.add(builder.mul(xblock, _int(8)),
+                                                 builder.mul(part, _int(4))))
+                    sixteen = builder.load(builder.inttoptr(at, _I32.as_pointer()), align=4)
+                    total = builder.sub(total, splat_i32(builder, builder.shl(
+                        sixteen, ir.Constant(_I32, 5))))
                 dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
-                # Products without fast-math flags: reassociated (d sc dx for Q4_K), they
-                # came out differently for another CPU's vector width.
-                value = _fma(builder, builder.fmul(d, _splat(builder, dx)),
+                value = _fma(builder, _product(builder, d, _splat(builder, dx)),
                              builder.sitofp(total, _VEC), builder.load(acc[b]))
                 if offset is not None:
                     sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
@@ -616,12 +550,45 @@ def _int_dots(rows: int):
                     value = _fma(builder, offset, _splat(builder, sx), value)
                 builder.store(value, acc[b])
 
-            def nibbles_of(base: ir.Value, count: int) -> list[ir.Value]:
-                """``count`` groups of nibble bytes as 2 * count vectors of groups: their
-                low nibbles, then their high ones."""
+            def six_bit_blocks(index: ir.Value, blk: ir.Value, d: ir.Value) -> None:
+                """A Q6_K block: 16 sub-blocks of 16 columns, each q - 32 times d and its
+                signed 8-bit scale. Its 128 columns h are four quarters of 32 t, whose
+                low 4 bits are the low (t = 0, 1) or high (t = 2, 3) nibbles of bytes
+                32 (t % 2) + column of ql, their top 2 bits bits 2 t of byte column of qh."""
+                ql, qh = _at(builder, blk, 288), _at(builder, blk, 2336)
+                m30 = ir.Constant(V32, [0x30303030] * LANES)
+                # A loop, not unrolled: a whole block's code for four rows of x was too
+                # long for the core's caches of decoded instructions.
+                with cgutils.for_range(builder, _int(4)) as step:
+                    h = builder.lshr(step.index, _int(1))
+                    part = builder.and_(step.index, _int(1))  # columns 16 part.. of quarters
+                    lows = builder.add(ql, builder.mul(builder.add(builder.mul(h, _int(4)),
+                                                                   part), _int(256)))
+                    tops = groups(builder.add(qh, builder.mul(builder.add(
+                        builder.mul(h, _int(2)), part), _int(256))), 4)
+                    for t in range(4):  # a quarter's vectors at a time
+                        low = groups(_at(builder, lows, 512 * (t % 2)), 4)
+                        # bits 2t, 2t + 1 of qh's bytes to bits 4, 5
+                        quarter = [builder.or_(
+                            builder.and_(v if t < 2 else builder.lshr(v, four), mask),
+                            builder.and_(builder.shl(u, _splat_i(4 - 2 * t)) if t < 2
+                                         else builder.lshr(u, _splat_i(2 * t - 4)), m30))
+                            for v, u in zip(low, tops)]
+                        sub = builder.add(builder.mul(h, _int(8)), _at(builder, part, 2 * t))
+                        scale = _product(builder, d, builder.sitofp(_column_bytes(
+                            builder, _at(builder, blk, 32), 0, sub), _VEC))
+                        xblock = builder.add(builder.mul(index, _int(8)),
+                                             _at(builder, builder.mul(h, _int(4)), t))
+                        for r in range(rows):
+                            add_block(r, xblock, nibble_dots(quarter, 63), scale, None, part)
+
+            def nibbles_of(base: ir.Value, count: int, halves: tuple[int, ...] = (0, 1)
+                           ) -> list[ir.Value]:
+                """``count`` groups of nibble bytes as vectors of groups: their low
+                nibbles (half 0), then their high ones (half 1)."""
                 packed = groups(base, count)
-                return ([builder.and_(v, mask) for v in packed]
-                        + [builder.and_(builder.lshr(v, four), mask) for v in packed])
+                return [builder.and_(v if h == 0 else builder.lshr(v, four), mask)
+                        for h in halves for v in packed]
 
             def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
                 for a in acc:
@@ -633,22 +600,33 @@ def _int_dots(rows: int):
                     for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
                     d = _halves(builder, blk)
-                    if fmt == Q4_K:  # 8 sub-blocks of 32 columns, each its 6-bit scale/min
+                    if fmt == Q6_K:
+                        six_bit_blocks(block.index, blk, d)
+                        return
+                    if fmt in (Q4_K, Q5_K):  # 8 sub-blocks of 32 columns, 6-bit scale/min
                         dmin = _halves(builder, _at(builder, blk, 32))
-                        for chunk in range(4):
-                            nibbles = nibbles_of(_at(builder, blk, 320 + 512 * chunk), 8)
-                            for half in range(2):
-                                s = 2 * chunk + half
-                                scale = builder.fmul(d, _unsigned(builder, _column_bytes(
-                                    builder, _at(builder, blk, 64), s, _int(0))))
-                                offset = builder.fmul(dmin, _unsigned(builder, _column_bytes(
-                                    builder, _at(builder, blk, 192), s, _int(0))))
-                                offset = builder.fmul(offset, _scalar_splat(-1.0))
-                                xblock = builder.add(builder.mul(block.index, _int(8)), _int(s))
+                        # A loop over 64 columns at a time (see six_bit_blocks).
+                        with cgutils.for_range(builder, _int(4)) as step:
+                            base = builder.add(_at(builder, blk, 832 if fmt == Q5_K else 320),
+                                               builder.mul(step.index, _int(512)))
+                            for half in range(2):  # a sub-block's vectors at a time
+                                s = _at(builder, builder.mul(step.index, _int(2)), half)
+                                nibbles = nibbles_of(base, 8, (half,))
+                                if fmt == Q5_K:  # the fifth bits: bit s of qh's bytes
+                                    bit = splat_i32(builder, builder.trunc(s, ir.IntType(32)))
+                                    nibbles = [builder.or_(n, builder.shl(builder.and_(
+                                        builder.lshr(f, bit), ones), four))
+                                        for n, f in zip(nibbles, groups(_at(builder, blk, 320),
+                                                                        8))]
+                                scale = _product(builder, d, _unsigned(builder, _column_bytes(
+                                    builder, _at(builder, blk, 64), 0, s)))
+                                offset = _product(builder, dmin, _unsigned(builder, _column_bytes(
+                                    builder, _at(builder, blk, 192), 0, s)))
+                                offset = builder.fneg(offset)
+                                xblock = builder.add(builder.mul(block.index, _int(8)), s)
+                                dots = nibble_dots(nibbles, 31 if fmt == Q5_K else 15)
                                 for b in range(rows):
-                                    add_block(b, xblock,
-                                              nibble_dots(nibbles[8 * half:8 * half + 8]),
-                                              scale, offset)
+                                    add_block(b, xblock, dots, scale, offset)
                         return
                     offset = None
                     if fmt == Q8_0:
@@ -662,14 +640,14 @@ def _int_dots(rows: int):
                             offset = _halves(builder, _at(builder, blk, 32))
                             nib = _at(builder, blk, 64)
                         else:
-                            offset = builder.fmul(d, _scalar_splat(-8.0))
+                            offset = _product(builder, d, _scalar_splat(-8.0))
                             nib = _at(builder, blk, 32)
                         # Low nibbles by x's bytes 4g.., high ones by 16 + 4g..
                         dots = nibble_dots(nibbles_of(nib, 4))
                     for b in range(rows):
                         add_block(b, block.index, dots, d, offset)
 
-            _for_each_format(builder, panel, walk, INT_FORMATS)
+            _for_each_format(builder, panel, walk)
             _store_rows(builder, acc, out)
             return context.get_dummy_value()
 
@@ -679,7 +657,7 @@ def _int_dots(rows: int):
 
 
 _int_dots1, _int_dots2, _int_dots3, _int_dots4 = (_int_dots(rows)
-                                                  for rows in range(1, DIRECT_ROWS + 1))
+                                                  for rows in range(1, PASS_ROWS + 1))
 
 
 @intrinsic
@@ -757,57 +735,21 @@ def rounded_x(x, w):
     return np.empty((0, 0), np.uint8)
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
-def x_sums(x):
-    """Sums of each row of x [B, K] over every 16 columns: [B, ceil(K / 16)]."""
-    k = x.shape[1]
-    groups = (k + 15) // 16
-    out = np.zeros((x.shape[0], groups), np.float32)
-    for b in range(x.shape[0]):
-        for g in range(groups):
-            total = np.float32(0.0)
-            for i in range(g * 16, min(k, g * 16 + 16)):
-                total += x[b, i]
-            out[b, g] = total
-    return out
-
-
-@numba.njit(cache=True, inline="always")
-def int_panel(w, p):
-    """Whether packed panel p of w is multiplied by rounded activations
-    (``INT_FORMATS``)."""
-    fmt = _header(w.ctypes.data + p * w.shape[1] * PANEL, 0)
-    return fmt == Q4_0 or fmt == Q4_1 or fmt == Q8_0 or fmt == Q4_K
-
-
 @numba.njit(cache=True)
-def packed_dots(w, p, x, b0, rows, xs, xq, out_address):
-    """16 sums per row (float32 [rows, 16] at ``out_address``) of x[b0 : b0 + rows]
-    (rows <= 4) times packed panel p of w, read straight from its bytes: with the rows'
-    integer roundings xq (``byte_dots.quantize_rows``) for a panel of ``INT_FORMATS``,
-    else with x itself and its sums over every 16 columns xs (``x_sums``)."""
+def packed_dots(w, p, xq, b0, rows, out_address):
+    """16 sums per row (float32 [rows, 16] at ``out_address``) of rows b0 .. b0 + rows
+    (rows <= 4) of x times packed panel p of w, read straight from its bytes, from the
+    rows' integer roundings xq (``byte_dots.quantize_rows``)."""
     panel = w.ctypes.data + p * w.shape[1] * PANEL
-    if int_panel(w, p):
-        qa, q_step = xq.ctypes.data + b0 * xq.strides[0], xq.strides[0]
-        if rows == 1:
-            _int_dots1(panel, qa, q_step, out_address)
-        elif rows == 2:
-            _int_dots2(panel, qa, q_step, out_address)
-        elif rows == 3:
-            _int_dots3(panel, qa, q_step, out_address)
-        else:
-            _int_dots4(panel, qa, q_step, out_address)
-        return
-    xa, step = x.ctypes.data + b0 * x.strides[0], x.strides[0]
-    xsa, xs_step = xs.ctypes.data + b0 * xs.strides[0], xs.strides[0]
+    qa, q_step = xq.ctypes.data + b0 * xq.strides[0], xq.strides[0]
     if rows == 1:
-        _dots1(panel, xa, step, xsa, xs_step, out_address)
+        _int_dots1(panel, qa, q_step, out_address)
     elif rows == 2:
-        _dots2(panel, xa, step, xsa, xs_step, out_address)
+        _int_dots2(panel, qa, q_step, out_address)
     elif rows == 3:
-        _dots3(panel, xa, step, xsa, xs_step, out_address)
+        _int_dots3(panel, qa, q_step, out_address)
     else:
-        _dots4(panel, xa, step, xsa, xs_step, out_address)
+        _int_dots4(panel, qa, q_step, out_address)
 
 
 @numba.njit(cache=True)

@@ -28,12 +28,9 @@ from rvllm.kernels.cpu.gemv import (
 )
 from rvllm.kernels.cpu.numerics import exp32, narrow_kv
 from rvllm.kernels.cpu.packed import (
-    DIRECT_ROWS,
-    dequant_panel,
-    int_panel,
+    PASS_ROWS,
     packed_dots,
     rounded_x,
-    x_sums,
 )
 
 
@@ -63,27 +60,14 @@ def _silu_panel(out, p, t, rows, b0, sums, scale, bias, inter):
 @numba.njit(fastmath=True, cache=True)
 def _packed_gate_up_share(x, w, scale, bias, out, lo, hi, sums, xq):
     """``_gate_up_share`` over packed panels (``packed``; xq: ``rounded_x``): each gate
-    panel and its up panel read from their bytes for every four rows of x where both are
-    of ``INT_FORMATS`` or x has at most ``DIRECT_ROWS`` rows, else widened into float32
-    scratch panels first."""
+    panel and its up panel read from their bytes for every four rows of x."""
     batch = x.shape[0]
     gate_panels = out.shape[1] // PANEL
-    xs = x_sums(x) if batch <= DIRECT_ROWS else np.empty((0, 0), np.float32)
-    scratch = np.empty((2, x.shape[1] if batch > DIRECT_ROWS else 0, PANEL), np.float32)
     for p in range(lo, hi):
-        if batch <= DIRECT_ROWS or (int_panel(w, p) and int_panel(w, p + gate_panels)):
-            for b0 in range(0, batch, DIRECT_ROWS):
-                rows = min(DIRECT_ROWS, batch - b0)
-                packed_dots(w, p, x, b0, rows, xs, xq, sums.ctypes.data)
-                packed_dots(w, p + gate_panels, x, b0, rows, xs, xq,
-                            sums.ctypes.data + rows * PANEL * 4)
-                _silu_panel(out, p, 0, rows, b0, sums, scale, bias, gate_panels * PANEL)
-            continue
-        dequant_panel(w, p, scratch[0:1])  # a gate panel, its up panel
-        dequant_panel(w, p + gate_panels, scratch[1:2])
-        for b0 in range(0, batch, ROWS):
-            rows = min(ROWS, batch - b0)
-            _group_dots(scratch, 0, 1, 0, 2, x, b0, rows, sums)
+        for b0 in range(0, batch, PASS_ROWS):
+            rows = min(PASS_ROWS, batch - b0)
+            packed_dots(w, p, xq, b0, rows, sums.ctypes.data)
+            packed_dots(w, p + gate_panels, xq, b0, rows, sums.ctypes.data + rows * PANEL * 4)
             _silu_panel(out, p, 0, rows, b0, sums, scale, bias, gate_panels * PANEL)
 
 
