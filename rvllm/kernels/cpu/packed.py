@@ -347,9 +347,11 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             return [builder.sitofp(b, _VEC) for b in _group_columns(builder, q, i)]
 
         return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints, step=4)]
-    if fmt == Q4_K:
+    if fmt in (Q4_K, Q5_K):
         d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
         sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
+        qh, qs = _at(builder, blk, 320), _at(builder, blk, 320 + (512 if fmt == Q5_K else 0))
+        one = _byte_splat(1)
         loops = []
         for chunk in range(4):  # 64 columns: low nibbles 0-31, high ones 32-63
             scales, offsets = [], []
@@ -360,43 +362,20 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
                 offsets += [_fmul(builder, dmin, offset)] * 4
 
             def k_groups(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
-                cols = _group_columns(builder, _at(builder, blk, 320 + 512 * chunk), i)
-                return ([_unsigned(builder, builder.and_(b, lo)) for b in cols]
-                        + [_unsigned(builder, builder.lshr(b, four)) for b in cols])
+                cols = _group_columns(builder, _at(builder, qs, 512 * chunk), i)
+                nibbles = ([builder.and_(b, lo) for b in cols]
+                           + [builder.lshr(b, four) for b in cols])
+                if fmt == Q5_K:  # bit 5: bits 2 chunk (low) and 2 chunk + 1 (high) of qh
+                    tops = _group_columns(builder, qh, i)
+                    nibbles = [builder.or_(n, builder.shl(builder.and_(builder.lshr(
+                        tops[g % 4], _byte_splat(2 * chunk + g // 4)), one), four))
+                        for g, n in enumerate(nibbles)]
+                return [_unsigned(builder, n) for n in nibbles]
 
             first = 64 * chunk
             loops.append(_Loop(8, [first + j for j in range(4)]
                                + [first + 32 + j for j in range(4)], scales, offsets,
                                k_groups, step=4))
-        return loops
-    if fmt == Q5_K:
-        d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
-        sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
-        qh, qs = _at(builder, blk, 320), _at(builder, blk, 320 + 512)
-        one = _byte_splat(1)
-        loops = []
-        for chunk in range(4):  # 64 columns: low nibbles 0-31, high ones 32-63, bit 5 in qh
-            scales, offsets = [], []
-            for s in (2 * chunk, 2 * chunk + 1):
-                scale = _unsigned(builder, _column_bytes(builder, sc, s, _int(0)))
-                offset = _unsigned(builder, _column_bytes(builder, mn, s, _int(0)))
-                scales += [_fmul(builder, d, scale)] * 4
-                offsets += [_fmul(builder, dmin, offset)] * 4
-
-            def k5_groups(i: ir.Value, chunk: int = chunk) -> list[ir.Value]:
-                cols = _group_columns(builder, _at(builder, qs, 512 * chunk), i)
-                tops = _group_columns(builder, qh, i)
-                fifth = [[builder.shl(builder.and_(builder.lshr(h, _byte_splat(2 * chunk + t)),
-                                                   one), four) for h in tops] for t in range(2)]
-                return ([_unsigned(builder, builder.or_(builder.and_(b, lo), f))
-                         for b, f in zip(cols, fifth[0])]
-                        + [_unsigned(builder, builder.or_(builder.lshr(b, four), f))
-                           for b, f in zip(cols, fifth[1])])
-
-            first = 64 * chunk
-            loops.append(_Loop(8, [first + j for j in range(4)]
-                               + [first + 32 + j for j in range(4)], scales, offsets,
-                               k5_groups, step=4))
         return loops
     if fmt == Q6_K:
         d = _halves(builder, blk)
