@@ -191,8 +191,8 @@ def dot_bytes_sum(context, builder: ir.IRBuilder, pairs: list[tuple[ir.Value, ir
     """<16 x i32>: the sum of ``dot_bytes`` over ``pairs`` (unsigned a, signed b), exactly.
     Without VNNI, ``vpmaddubsw``'s 16-bit pairs of up to ``fits`` of them are summed as
     16-bit integers before one ``vpmaddwd`` widens them (the caller's bound: e.g. 4-bit
-    weights by bytes within +-127, 8 pairs of 2 * 15 * 127), which halves the multiplies
-    of a sum done ``vpmaddwd`` by ``vpmaddubsw``."""
+    weights by bytes within +-127 make pairs of up to 2 * 15 * 127, 8 of which fit), where
+    each ``vpmaddubsw`` took a ``vpmaddwd`` of its own: nearly half the multiplies."""
     features = _features(context)
     zero = ir.Constant(V32, [0] * 16)
     if _vnni(context) or fits < 2 or ("+avx512bw" not in features and "+avx2" not in features):
