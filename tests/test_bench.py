@@ -426,6 +426,7 @@ def test_load_generator_times_streamed_tokens_against_a_server(
     assert m["mean_e2el_ms"] >= 60.0
 
 
+@pytest.mark.slow  # 30 s; test_bench_real_server.py races a real rvllm server in 6
 def test_race_reports_every_phase_and_stops_the_server(
         fake_server_cmd: tuple[str, int], tmp_path: Path) -> None:
     from rvllm.bench.race import main as race_main

@@ -32,7 +32,8 @@ def _back_to_torch():
     set_kernel_backend("torch")  # later tests in this process build torch engines
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral",
+# Past llama, the interpreter's minutes go to the slow run.
+@pytest.mark.parametrize("arch", ["llama", pytest.param("mistral", marks=pytest.mark.slow),
                                   pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_triton_path_matches_transformers(model_dirs: dict[str, Path], arch: str) -> None:
     llm = LLM(str(model_dirs[arch]), kernel_backend="triton", dtype="float32")
@@ -53,6 +54,7 @@ def test_triton_path_under_chunked_prefill_prefix_hits_and_preemption(llama_dir:
     assert llm.engine.block_manager.prefix_cache_hits > hits
 
 
+@pytest.mark.slow  # 30 s interpreted; the overlap itself: test_async_scheduling.py
 def test_triton_path_with_async_scheduling_matches_transformers(llama_dir: Path) -> None:
     # The steps on their own thread (the stand-in for a device stream), under chunked
     # prefill and preemption: on a GPU the same kernels run there.
@@ -134,7 +136,8 @@ def test_cuda_graph_sizes_flag() -> None:
         parse_capture_sizes("1,x", 8)
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("self_draft", marks=pytest.mark.slow),
+                                    pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_speculation_on_the_triton_kernels_keeps_greedy_output(llama_dir: Path,
                                                                 method: str) -> None:
     """Verifying steps on the Triton kernels (eager: the prefill path, not a decode
