@@ -254,16 +254,15 @@ def pack_rows(parts: list[QuantizedRows], rows: int) -> Panels:
 
 @dataclass
 class _Loop:
-    """``count`` columns of each of a few streams, one sub-block each: stream s covers
-    columns cols[s] + step * i (i < count) of the block, whose weights are scales[s] * q
-    - offsets[s] (None: no offset), q from ``decode(i)``[s]."""
+    """``count`` groups of 4 columns (``_dword_groups``) of each of a few streams, one
+    sub-block each: stream s covers columns cols[s] + 4 i (i < count) of the block, whose
+    weights are scales[s] * q - offsets[s] (None: no offset), q from ``decode(i)``[s]."""
 
     count: int
     cols: list[int]
     scales: list[ir.Value]
     offsets: list[ir.Value | None]
     decode: Callable[[ir.Value], list[ir.Value]]
-    step: int = 1
 
 
 def _bytes(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
@@ -337,8 +336,7 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             return ([_unsigned(builder, builder.and_(b, lo)) for b in cols]
                     + [_unsigned(builder, builder.lshr(b, four)) for b in cols])
 
-        return [_Loop(4, [0, 1, 2, 3, 16, 17, 18, 19], [d] * 8, [offset] * 8, nibbles,
-                      step=4)]
+        return [_Loop(4, [0, 1, 2, 3, 16, 17, 18, 19], [d] * 8, [offset] * 8, nibbles)]
     if fmt == Q8_0:
         d = _halves(builder, blk)
         q = _at(builder, blk, 32)
@@ -346,7 +344,7 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
         def ints(i: ir.Value) -> list[ir.Value]:
             return [builder.sitofp(b, _VEC) for b in _group_columns(builder, q, i)]
 
-        return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints, step=4)]
+        return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints)]
     if fmt in (Q4_K, Q5_K):
         d, dmin = _halves(builder, blk), _halves(builder, _at(builder, blk, 32))
         sc, mn = _at(builder, blk, 64), _at(builder, blk, 64 + 128)
@@ -375,7 +373,7 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
             first = 64 * chunk
             loops.append(_Loop(8, [first + j for j in range(4)]
                                + [first + 32 + j for j in range(4)], scales, offsets,
-                               k_groups, step=4))
+                               k_groups))
         return loops
     if fmt == Q6_K:
         d = _halves(builder, blk)
@@ -408,7 +406,7 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
                     return qs
 
                 cols = [128 * half + 32 * t + 16 * part + j for t in range(4) for j in range(4)]
-                loops.append(_Loop(4, cols, scales, offsets, six_bits, step=4))
+                loops.append(_Loop(4, cols, scales, offsets, six_bits))
         return loops
     raise AssertionError(fmt)
 
@@ -661,7 +659,7 @@ def _dequant_panel(typingctx, panel, out):
                             value = (_fmul(builder, loop.scales[s], q) if negs[s] is None
                                      else _fma(builder, loop.scales[s], q, negs[s]))
                             col = builder.add(col0, builder.add(
-                                builder.mul(i, _int(loop.step)), _int(loop.cols[s])))
+                                builder.mul(i, _int(4)), _int(loop.cols[s])))
                             at = builder.add(out, builder.mul(col, _int(PANEL * 4)))
                             builder.store(value, builder.inttoptr(at, _VEC.as_pointer()),
                                           align=4)
