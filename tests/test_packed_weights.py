@@ -92,6 +92,28 @@ def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int)
     assert (ours.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+@pytest.mark.parametrize("pairs", [False, True], ids=["groups_of_4", "pairs"])
+def test_q8_0_s_two_layouts_hold_the_same_weights_and_products(pairs: bool) -> None:
+    """Q8_0 is laid out in pairs of columns for ``vpmaddwd`` on CPUs without VNNI, in
+    groups of 4 for ``vpdpbusd`` on the others; each layout works on every CPU, and
+    gives the same numbers as the other."""
+    n, k = 37, 160
+    raw = random_rows(T.Q8_0, n, k, seed=4)
+    panels = pk.pack_rows([pk.QuantizedRows(int(T.Q8_0), raw, k)], n, pairs=pairs)
+    other = pk.pack_rows([pk.QuantizedRows(int(T.Q8_0), raw, k)], n, pairs=not pairs)
+    assert pk.panel_formats(panels.weight) == {int(T.Q8_0)}
+    theirs = gguf.quants.dequantize(raw, T.Q8_0).reshape(n, k)
+    assert torch.equal(pk.dequantize_panels(panels.weight, n, k),
+                       torch.from_numpy(theirs.astype(np.float32)))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
+    exact = rounded(x) @ torch.from_numpy(theirs).double().T
+    for rows in (1, 3, 6):
+        ours = gemv(x[:1], panels) if rows == 1 else panels_matmul(x[:rows], panels)
+        assert (ours.double() - exact[:rows]).abs().max() <= 1e-5 * exact.abs().max()
+        again = gemv(x[:1], other) if rows == 1 else panels_matmul(x[:rows], other)
+        assert torch.equal(ours, again)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_a_row_s_product_is_the_same_number_in_any_batch(fmt) -> None:
     k = 96 if pk.BLOCK_COLS[int(fmt)] == 32 else 256
@@ -104,9 +126,11 @@ def test_a_row_s_product_is_the_same_number_in_any_batch(fmt) -> None:
     assert torch.equal(gemv(x[20:21], panels), full[20:21])
 
 
-# What numba compiles for, by the instructions ``byte_dots.dot_bytes`` then takes:
-# vpmaddubsw on two AVX2 halves, and on one AVX-512BW register without VNNI.
-_CPUS = {"avx2": ("haswell", "+64bit,+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"),
+# What numba compiles for, by the instructions the packed products then take: plain
+# integer IR without AVX2, AVX2's eight-lane walks (``packed._narrow_dots``), and vpmaddubsw on
+# one AVX-512BW register without VNNI.
+_CPUS = {"avx": ("ivybridge", "+64bit,+avx,+f16c,+sse4.2,+popcnt"),
+         "avx2": ("haswell", "+64bit,+avx,+avx2,+fma,+f16c,+sse4.2,+popcnt,+bmi,+bmi2"),
          "avx512bw": ("skylake-avx512", "+64bit,+avx,+avx2,+fma,+f16c,+avx512f,+avx512bw,"
                                         "+avx512dq,+avx512vl,+avx512cd,+sse4.2,+popcnt")}
 _PRODUCTS = """
@@ -124,10 +148,10 @@ np.save({out!r}, np.stack(out))
 
 
 @pytest.mark.parametrize("cpu", [
-    "avx2", pytest.param("avx512bw", marks=pytest.mark.slow)])  # a compile each: ~1 min
+    "avx", "avx2", pytest.param("avx512bw", marks=pytest.mark.slow)])  # ~1 min each
 def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
-    """The packed products of every format compiled for an older CPU (run here:
-    this one has all of its instructions) are bit for bit this machine's."""
+    """The packed products of every format compiled for another CPU (one whose
+    instructions this one has) are bit for bit this machine's."""
     import os
     import subprocess
     import sys
@@ -136,11 +160,12 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
 
     from rvllm.kernels.cpu.byte_dots import _features
 
-    if "+avx512bw" not in _features(cpu_target.target_context):
-        pytest.skip("this CPU cannot run code compiled for AVX-512BW")
+    name, features = _CPUS[cpu]
+    ours = set(_features(cpu_target.target_context).split(","))
+    if any(f not in ours for f in features.split(",") if f.startswith("+avx")):
+        pytest.skip(f"this CPU cannot run code compiled for {name}")
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
     np.save(tmp_path / "x.npy", x.numpy())
-    name, features = _CPUS[cpu]
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
                NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     script = _PRODUCTS.format(tests=str(Path(__file__).parent), x=str(tmp_path / "x.npy"),

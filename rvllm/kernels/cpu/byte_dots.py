@@ -12,13 +12,19 @@ integers per block of 32 turns a block's products into integer multiply-adds of 
   rint(x * 32385 / amax)`` (within +-32385 = 127 * 255) and the float32 pair (``d = amax /
   32385``, ``d * sum(q)``). Each q is split as ``255 h + l`` with h = q / 255 rounded and
   both bytes signed within +-127. A row's bytes are its K high bytes, its K low bytes,
-  its K / 32 pairs, then the int32 sums of its integers over every 16 columns, for
-  weights stored with an offset per 16 columns (Q6_K's q - 32) (``x_row_bytes``).
+  its K / 32 pairs, the int32 sums of its integers over every 16 columns, for weights
+  stored with an offset per 16 columns (Q6_K's q - 32), then its K integers as int16
+  (``x_row_bytes``, ``words_offset``).
 - ``dot_bytes``: 16 int32 lanes, each plus the sum of its four unsigned bytes of one
   vector times the four signed bytes of another: one ``vpdpbusd`` with AVX-512 VNNI;
   without it ``vpmaddubsw`` then ``vpmaddwd`` (AVX-512BW, or AVX2 on two halves), and
   plain integer IR on anything else. Weights of 4 bits (0-15) times bytes within +-127
   never saturate ``vpmaddubsw``'s 16-bit pairs.
+- ``dot_words``: 16 int32 lanes, each plus the sum of its two int16 of one vector times
+  its two of another (``vpmaddwd``): a signed 8-bit weight widened to 16 bits times x's
+  int16 integers is one multiply for two products, where the two bytes of x took
+  ``vpmaddubsw`` twice and ``vpmaddwd`` twice. Without VNNI the panels of Q8_0 are laid
+  out for it (``packed``).
 - ``signed_weights`` / ``dot_signed``: the same for signed 8-bit weights (Q8_0). With
   VNNI x's bytes go in offset by 128 (unsigned) and 128 times the weights' sum comes off;
   without, the weights' magnitudes go in and x's bytes take their signs, so that a pair
@@ -60,15 +66,21 @@ SCALE = 32385  # 127 * 255: the largest magnitude of a block's integers
 
 
 @numba.njit(cache=True, inline="always")
+def words_offset(k):
+    """Where a rounded row of K values keeps its integers as int16 (``quantize_rows``)."""
+    return 2 * k + 16 * (k // BLOCK)
+
+
+@numba.njit(cache=True, inline="always")
 def x_row_bytes(k):
     """Bytes of one rounded row of K values (``quantize_rows``), a multiple of 64."""
-    return (2 * k + 16 * (k // BLOCK) + 63) // 64 * 64
+    return (words_offset(k) + 2 * k + 63) // 64 * 64
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True, inline="always")
-def _round16(xb, inv, hb, lb, first):
-    """Columns first .. first + 15 of a block xb rounded into its high and low bytes;
-    the sum of their integers (under 2^24: exact in float32)."""
+def _round16(xb, inv, hb, lb, words, first):
+    """Columns first .. first + 15 of a block xb rounded into its high and low bytes
+    and its int16 words; the sum of their integers (under 2^24: exact in float32)."""
     # In float32, where it vectorizes: integers this small are exact, and q / 255 lies
     # at least 0.002 from a tie, so its rounding h leaves |q - 255 h| <= 127.
     total = np.float32(0.0)
@@ -77,6 +89,7 @@ def _round16(xb, inv, hb, lb, first):
         h = np.rint(q * np.float32(1.0 / 255.0))
         hb[i] = np.int32(h)
         lb[i] = np.int32(q - np.float32(255.0) * h)
+        words[i] = np.int32(q)
         total += q
     return total
 
@@ -85,8 +98,8 @@ def _round16(xb, inv, hb, lb, first):
 def quantize_rows(x, out):
     """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
     uint8: row b's K high bytes, K low bytes (int8), K / 32 float32 pairs (d, d * sum
-    of the block's integers) and K / 16 int32 sums of its integers over 16 columns. A
-    block of zeros is integers 0 with d = 0."""
+    of the block's integers), K / 16 int32 sums of its integers over 16 columns and its
+    K integers (int16). A block of zeros is integers 0 with d = 0."""
     k = x.shape[1]
     blocks = k // BLOCK
     for b in range(x.shape[0]):
@@ -94,6 +107,7 @@ def quantize_rows(x, out):
         low = out[b, k:2 * k].view(np.int8)
         pairs = out[b, 2 * k:2 * k + 8 * blocks].view(np.float32)
         sixteens = out[b, 2 * k + 8 * blocks:2 * k + 16 * blocks].view(np.int32)
+        ints = out[b, words_offset(k):words_offset(k) + 2 * k].view(np.int16)
         for j in range(blocks):
             xb = x[b, j * BLOCK:j * BLOCK + BLOCK]
             amax = np.float32(0.0)
@@ -102,8 +116,9 @@ def quantize_rows(x, out):
             inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
             hb = high[j * BLOCK:j * BLOCK + BLOCK]
             lb = low[j * BLOCK:j * BLOCK + BLOCK]
-            first = _round16(xb, inv, hb, lb, 0)
-            second = _round16(xb, inv, hb, lb, 16)
+            words = ints[j * BLOCK:j * BLOCK + BLOCK]
+            first = _round16(xb, inv, hb, lb, words, 0)
+            second = _round16(xb, inv, hb, lb, words, 16)
             sixteens[2 * j] = np.int32(first)
             sixteens[2 * j + 1] = np.int32(second)
             d = amax / np.float32(SCALE)
@@ -137,6 +152,13 @@ def _features(context) -> str:  # noqa: ANN001 - numba's target context
 
 def _vnni(context) -> bool:  # noqa: ANN001
     return "+avx512vnni" in _features(context)
+
+
+def compiles_vnni() -> bool:
+    """Whether numba compiles the kernels for a CPU with AVX-512 VNNI."""
+    from numba.core.registry import cpu_target
+
+    return _vnni(cpu_target.target_context)
 
 
 def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
@@ -183,6 +205,29 @@ def dot_bytes(context, builder: ir.IRBuilder, acc: ir.Value, a: ir.Value,  # noq
     for j in range(4):
         part = builder.shuffle_vector(products, products, _lanes([4 * i + j for i in range(16)]))
         acc = builder.add(acc, part)
+    return acc
+
+
+def dot_words(context, builder: ir.IRBuilder, acc: ir.Value, a: ir.Value,  # noqa: ANN001
+              b: ir.Value) -> ir.Value:
+    """acc (<16 x i32>) plus, in each lane, the sum of the lane's two int16 of a (<32 x
+    i16>) times its two of b: ``vpmaddwd`` on one AVX-512BW register or two AVX2 halves,
+    plain integer IR on anything else. Exact unless a lane's pair is -32768 twice."""
+    features = _features(context)
+    if "+avx512bw" in features:
+        return builder.add(acc, _call(builder, "llvm.x86.avx512.pmaddw.d.512", V32, [a, b]))
+    if "+avx2" in features:
+        sums = []
+        for half in range(2):
+            pick = _lanes(list(range(16 * half, 16 * half + 16)))
+            sums.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8, [
+                builder.shuffle_vector(a, a, pick), builder.shuffle_vector(b, b, pick)]))
+        return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], _lanes(list(range(16)))))
+    wide = ir.VectorType(_I32, 32)
+    products = builder.mul(builder.sext(a, wide), builder.sext(b, wide))
+    for j in range(2):
+        acc = builder.add(acc, builder.shuffle_vector(products, products,
+                                                      _lanes([2 * i + j for i in range(16)])))
     return acc
 
 

@@ -42,8 +42,20 @@ byte products run one row at about 50 G weights/s from the cache and four rows a
 20 each, so that from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G
 weights/s for one row and 18.5 for four (widened: 16 and 11.5).
 
+**AVX2 without AVX-512.** AVX2 has 16 registers of 8 lanes, and the walks above, 16
+lanes wide, kept more vectors alive than that: a third of a four-row pass's instructions
+were spills, and passes of 2-4 rows ran slower per row than one row's. There
+(``narrow_cpu``), Q4_0, Q4_1, Q8_0, Q4_K and Q6_K panels are walked once for lanes 0-7
+and again for 8-15 (``_narrow_dots``), each weight vector taken by every row as it
+comes: the same integers and the same float32 operations per lane, so the same numbers.
+Q5_K keeps the 16-lane walk. Q8_0 panels are stored there in pairs of columns
+(``_pair_groups``, panel code ``Q8_0_PAIRS``): a pair widened to int16 is one
+``vpmaddwd`` by x's int16 pair (``byte_dots.dot_words``), where x's two bytes took two
+``vpmaddubsw`` and two ``vpmaddwd``.
+
 - ``_int_dots1`` .. ``_int_dots4``: one panel times 1-4 rounded rows of x: the one-row
   GEMV of decode, and every four rows of a wider step.
+- ``_narrow1`` .. ``_narrow4``: the same on AVX2 for the formats above.
 - ``_dequant_panel``: one panel widened into a float32 [K, 16]: embedding rows are looked
   up through it, and tools read a whole weight back with it.
 
@@ -68,8 +80,10 @@ from numba.extending import intrinsic, overload
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu.byte_dots import (
     V32,
+    _features,
     dot_bytes_sum,
     dot_signed,
+    dot_words,
     rounded_rows,
     signed_weights,
     splat_i32,
@@ -97,6 +111,10 @@ PASS_ROWS = 4  # rows of x a pass over a panel multiplies (``_int_dots1`` .. ``_
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
 FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
                 Q6_K: "Q6_K"}
+# Q8_0 laid out for ``byte_dots.dot_words`` (CPUs without VNNI): a panel's code, beside
+# the GGML types'.
+PAIRS = 0x100
+Q8_0_PAIRS = Q8_0 | PAIRS
 # Columns a block covers, bytes of a GGUF block (one row), bytes of a panel block (16).
 BLOCK_COLS = {Q4_0: 32, Q4_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 TYPE_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
@@ -105,6 +123,8 @@ PANEL_BLOCK_BYTES = {Q4_0: 288, Q4_1: 320, Q8_0: 544, Q4_K: 2368, Q5_K: 2880, Q6
 _I8 = ir.IntType(8)
 _B16 = ir.VectorType(_I8, LANES)
 _B64 = ir.VectorType(_I8, 4 * LANES)
+_B32 = ir.VectorType(_I8, 2 * LANES)
+_W32 = ir.VectorType(ir.IntType(16), 2 * LANES)
 _H16 = ir.VectorType(ir.HalfType(), LANES)
 
 
@@ -115,6 +135,14 @@ def _lanes_inner(field: np.ndarray) -> np.ndarray:
     flattened to [P, nb, width * 16]: the 16 rows innermost."""
     p, _, nb, width = field.shape
     return field.transpose(0, 2, 3, 1).reshape(p, nb, width * PANEL)
+
+
+def _pair_groups(field: np.ndarray) -> np.ndarray:
+    """[P, 16, nb, width] bytes of a field -> [P, nb, width * 16]: for each pair of byte
+    columns, the 16 rows' 2 bytes in row order (an int16 pair a row, once widened)."""
+    p, _, nb, width = field.shape
+    grouped = field.reshape(p, PANEL, nb, width // 2, 2)
+    return np.ascontiguousarray(grouped.transpose(0, 2, 3, 1, 4)).reshape(p, nb, width * PANEL)
 
 
 def _dword_groups(field: np.ndarray) -> np.ndarray:
@@ -145,6 +173,8 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
     each block turned lane-innermost (see the module note)."""
     if fmt == Q8_0:
         fields = [_halves_inner(blocks[..., 0:2]), _dword_groups(blocks[..., 2:34])]
+    elif fmt == Q8_0_PAIRS:
+        fields = [_halves_inner(blocks[..., 0:2]), _pair_groups(blocks[..., 2:34])]
     elif fmt == Q4_0:
         fields = [_halves_inner(blocks[..., 0:2]), _dword_groups(blocks[..., 2:18])]
     elif fmt == Q4_1:
@@ -165,8 +195,20 @@ def _panel_blocks(fmt: int, blocks: np.ndarray) -> np.ndarray:
 
 
 def panel_bytes(fmt: int, cols: int) -> int:
-    """Bytes of one panel of a [*, cols] weight in ``fmt``."""
+    """Bytes of one panel of a [*, cols] weight in ``fmt`` (a GGML type or a panel code)."""
+    fmt &= ~PAIRS
     return HEADER + cols // BLOCK_COLS[fmt] * PANEL_BLOCK_BYTES[fmt]
+
+
+def panel_code(fmt: int, pairs: bool | None = None) -> int:
+    """The panel code a GGML type is packed as: Q8_0 in pairs of columns for
+    ``byte_dots.dot_words`` where numba compiles without VNNI (``pairs`` None), else
+    the type's own layout."""
+    if pairs is None:
+        from rvllm.kernels.cpu.byte_dots import compiles_vnni
+
+        pairs = not compiles_vnni()
+    return Q8_0_PAIRS if fmt == Q8_0 and pairs else fmt
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +247,8 @@ def int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Quant
 
 def panel_formats(weight: np.ndarray) -> set[int]:
     """The GGML type codes of a packed weight's panels, from their headers."""
-    return set(weight.reshape(weight.shape[0], -1)[:, 0:8].view(np.int64)[:, 0].tolist())
+    codes = weight.reshape(weight.shape[0], -1)[:, 0:8].view(np.int64)[:, 0].tolist()
+    return {code & ~PAIRS for code in codes}
 
 
 def packable(fmt: int, cols: int) -> bool:
@@ -213,9 +256,10 @@ def packable(fmt: int, cols: int) -> bool:
     return fmt in BLOCK_COLS and cols % BLOCK_COLS[fmt] == 0
 
 
-def pack_rows(parts: list[QuantizedRows], rows: int) -> Panels:
+def pack_rows(parts: list[QuantizedRows], rows: int, pairs: bool | None = None) -> Panels:
     """The packed panels of a weight [rows, K] made of ``parts`` (consecutive row ranges,
-    each of one GGML type; every part but the last a multiple of 16 rows)."""
+    each of one GGML type; every part but the last a multiple of 16 rows); Q8_0 in pairs
+    of columns or not as ``panel_code`` says."""
     from rvllm.host_memory import empty_huge_pages
 
     cols = parts[0].cols
@@ -239,10 +283,11 @@ def pack_rows(parts: list[QuantizedRows], rows: int) -> Panels:
         if n % PANEL:
             pad = np.zeros((count * PANEL - n, nb, TYPE_BYTES[fmt]), np.uint8)
             blocks = np.concatenate((blocks, pad))
-        body = _panel_blocks(fmt, blocks.reshape(count, PANEL, nb, TYPE_BYTES[fmt]))
+        code = panel_code(fmt, pairs)
+        body = _panel_blocks(code, blocks.reshape(count, PANEL, nb, TYPE_BYTES[fmt]))
         size = body.shape[1] * body.shape[2]
         head = flat[first:first + count, :HEADER].view(np.int64)
-        head[:, 0], head[:, 1], head[:, 2] = fmt, cols, stride // PANEL
+        head[:, 0], head[:, 1], head[:, 2] = code, cols, stride // PANEL
         head[:, 3:] = 0
         flat[first:first + count, HEADER:HEADER + size] = body.reshape(count, size)
         flat[first:first + count, HEADER + size:] = 0
@@ -317,6 +362,15 @@ def _group_columns(builder: ir.IRBuilder, base: ir.Value, i: ir.Value) -> list[i
             for j in range(4)]
 
 
+def _pair_columns(builder: ir.IRBuilder, base: ir.Value, i: ir.Value) -> list[ir.Value]:
+    """The 16 lanes' bytes of columns 4i .. 4i + 3 of a ``_pair_groups`` field (two pairs
+    of 32 bytes)."""
+    group = builder.load(builder.inttoptr(_at(builder, base, builder.mul(i, _int(64))),
+                                          _B64.as_pointer()), align=1)
+    return [builder.shuffle_vector(group, group, _lanes(
+        [32 * (j // 2) + 2 * r + j % 2 for r in range(PANEL)])) for j in range(4)]
+
+
 def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
     """The loops of one panel block of ``fmt`` at address ``blk``."""
     lo = _byte_splat(0x0F)
@@ -337,12 +391,14 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
                     + [_unsigned(builder, builder.lshr(b, four)) for b in cols])
 
         return [_Loop(4, [0, 1, 2, 3, 16, 17, 18, 19], [d] * 8, [offset] * 8, nibbles)]
-    if fmt == Q8_0:
+    if fmt in (Q8_0, Q8_0_PAIRS):
         d = _halves(builder, blk)
         q = _at(builder, blk, 32)
 
         def ints(i: ir.Value) -> list[ir.Value]:
-            return [builder.sitofp(b, _VEC) for b in _group_columns(builder, q, i)]
+            cols = (_group_columns(builder, q, i) if fmt == Q8_0
+                    else _pair_columns(builder, q, i))
+            return [builder.sitofp(b, _VEC) for b in cols]
 
         return [_Loop(8, [0, 1, 2, 3], [d] * 4, [None] * 4, ints)]
     if fmt in (Q4_K, Q5_K):
@@ -423,11 +479,11 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
     data = _at(builder, panel, HEADER)
     end = builder.append_basic_block("packed.end")
     switch = builder.switch(fmt, end)
-    for code in BLOCK_COLS:
-        case = builder.append_basic_block(f"packed.{FORMAT_NAMES[code]}")
+    for code in [*BLOCK_COLS, Q8_0_PAIRS]:
+        case = builder.append_basic_block(f"packed.{code}")
         switch.add_case(ir.Constant(_I64, code), case)
         builder.position_at_end(case)
-        body(code, data, builder.sdiv(cols, _int(BLOCK_COLS[code])), stride)
+        body(code, data, builder.sdiv(cols, _int(BLOCK_COLS[code & ~PAIRS])), stride)
         builder.branch(end)
     builder.position_at_end(end)
 
@@ -508,8 +564,6 @@ def _int_dots(rows: int):
                         for c in range(8 if part is None else 4)]))  # x's bytes 4c..4c+3
                 high, low = chains
                 total = builder.add(builder.sub(builder.shl(high, eight), high), low)
-                scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
-                                     builder.mul(xblock, _int(8)))
                 if part is not None:  # the int32 sums over 16 columns, after the pairs
                     at = builder.add(builder.add(row, builder.add(builder.mul(cols, _int(2)),
                                                                   builder.sdiv(cols, _int(4)))),
@@ -518,6 +572,15 @@ def _int_dots(rows: int):
                     sixteen = builder.load(builder.inttoptr(at, _I32.as_pointer()), align=4)
                     total = builder.sub(total, splat_i32(builder, builder.shl(
                         sixteen, ir.Constant(_I32, 5))))
+                add_total(b, xblock, total, d, offset)
+
+            def add_total(b: int, xblock: ir.Value, total: ir.Value, d: ir.Value,
+                          offset: ir.Value | None) -> None:
+                """Row b's float32 lanes plus d * dx * total + offset * (dx * sum q), for
+                the integer products ``total`` (<16 x i32>) with x's block ``xblock``."""
+                row = builder.add(xq, builder.mul(_int(b), xq_step))
+                scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
+                                     builder.mul(xblock, _int(8)))
                 dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
                 value = _fma(builder, _product(builder, d, _splat(builder, dx)),
                              builder.sitofp(total, _VEC), builder.load(acc[b]))
@@ -572,9 +635,9 @@ def _int_dots(rows: int):
                     builder.store(zero, a)
                 with cgutils.for_range(builder, blocks) as block:
                     blk = builder.add(data, builder.mul(block.index,
-                                                        _int(PANEL_BLOCK_BYTES[fmt])))
+                                                        _int(PANEL_BLOCK_BYTES[fmt & ~PAIRS])))
                     ahead = builder.add(blk, stride)
-                    for line in range(-(-PANEL_BLOCK_BYTES[fmt] // 64)):
+                    for line in range(-(-PANEL_BLOCK_BYTES[fmt & ~PAIRS] // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
                     d = _halves(builder, blk)
                     if fmt == Q6_K:
@@ -604,6 +667,28 @@ def _int_dots(rows: int):
                                 dots = nibble_dots(nibbles, 31 if fmt == Q5_K else 15)
                                 for b in range(rows):
                                     add_block(b, xblock, dots, scale, offset)
+                        return
+                    if fmt == Q8_0_PAIRS:
+                        # Each pair of columns widened to int16 once for every row, then
+                        # one vpmaddwd by x's int16 pair of those columns.
+                        q = _at(builder, blk, 32)
+                        wide = [builder.sext(builder.load(builder.inttoptr(
+                            _at(builder, q, 32 * c), _B32.as_pointer()), align=1), _W32)
+                            for c in range(16)]
+                        for b in range(rows):
+                            words = builder.add(builder.add(
+                                builder.add(xq, builder.mul(_int(b), xq_step)),
+                                builder.add(builder.mul(cols, _int(2)),
+                                            builder.sdiv(cols, _int(2)))),
+                                builder.mul(block.index, _int(64)))
+                            pair = [ir.Constant(V32, [0] * LANES)] * 2
+                            for c in range(16):
+                                word = builder.load(builder.inttoptr(
+                                    _at(builder, words, 4 * c), _I32.as_pointer()), align=1)
+                                pair[c % 2] = dot_words(context, builder, pair[c % 2], wide[c],
+                                                        builder.bitcast(splat_i32(builder, word),
+                                                                        _W32))
+                            add_total(b, block.index, builder.add(pair[0], pair[1]), d, None)
                         return
                     offset = None
                     if fmt == Q8_0:
@@ -637,6 +722,253 @@ _int_dots1, _int_dots2, _int_dots3, _int_dots4 = (_int_dots(rows)
                                                   for rows in range(1, PASS_ROWS + 1))
 
 
+# --- AVX2 without AVX-512: Q4_0, Q4_1 and Q8_0 in pairs, eight lanes a walk ---------------
+
+HALF = PANEL // 2
+NARROW_FORMATS = (Q4_0, Q4_1, Q8_0_PAIRS, Q4_K, Q6_K)
+_N32, _NF = ir.VectorType(_I32, HALF), ir.VectorType(_F32, HALF)
+_NB, _NW = ir.VectorType(_I8, 4 * HALF), ir.VectorType(ir.IntType(16), 2 * HALF)
+
+
+def _narrow_cpu(context) -> bool:  # noqa: ANN001
+    features = _features(context)
+    return "+avx2" in features and "+avx512f" not in features
+
+
+@intrinsic
+def narrow_cpu(typingctx):
+    """Whether numba compiles for AVX2 without AVX-512 (``_narrow_dots``): a constant."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(1), _narrow_cpu(context))
+    return types.boolean(), codegen
+
+
+def _narrow_dots(rows: int):
+    """``_int_dots`` for Q4_0, Q4_1 and Q8_0 in pairs, on AVX2's 16 registers of 8 lanes:
+    the panel walked once for lanes 0-7 and again for 8-15, and each block's weight
+    vectors taken by every row as they come, a group at a time: the 16-lane walk kept
+    more vectors alive than AVX2 has registers, and its passes of 2-4 rows ran slower
+    per row than one row's. The same integers and the same float32 operations per lane
+    as ``_int_dots``, so the same numbers."""
+
+    @intrinsic
+    def dots(typingctx, panel, xq, xq_step, out):
+        def codegen(context, builder, signature, args):
+            from rvllm.kernels.cpu.byte_dots import _call
+
+            panel, xq, xq_step, out = args
+            zero = ir.Constant(_NF, [0.0] * HALF)
+            mask = ir.Constant(_N32, [0x0F0F0F0F] * HALF)
+            four = ir.Constant(_N32, [4] * HALF)
+            ones16 = ir.Constant(_NW, [1] * (2 * HALF))
+            cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()),
+                                align=8)
+            row_at = [builder.add(xq, builder.mul(_int(b), xq_step)) for b in range(rows)]
+
+            def fma(a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+                return _call(builder, f"llvm.fma.v{HALF}f32", _NF, [a, b, c])
+
+            def splat(value: ir.Value, kind: ir.VectorType) -> ir.Value:
+                vector = builder.insert_element(ir.Constant(kind, ir.Undefined), value,
+                                                ir.Constant(_I32, 0))
+                return builder.shuffle_vector(vector, vector, ir.Constant(
+                    ir.VectorType(_I32, kind.count), [0] * kind.count))
+
+            def word(address: ir.Value) -> ir.Value:
+                return builder.load(builder.inttoptr(address, _I32.as_pointer()), align=1)
+
+            def halves8(address: ir.Value) -> ir.Value:
+                raw = builder.load(builder.inttoptr(address, ir.VectorType(
+                    ir.HalfType(), HALF).as_pointer()), align=1)
+                return builder.fpext(raw, _NF)
+
+            def vector(address: ir.Value, kind: ir.Type) -> ir.Value:
+                return builder.load(builder.inttoptr(address, kind.as_pointer()), align=1)
+
+            def add_total(acc: ir.Value, b: int, block: ir.Value, total: ir.Value,
+                          d: ir.Value, offset: ir.Value | None) -> ir.Value:
+                scales = builder.add(builder.add(row_at[b], builder.mul(cols, _int(2))),
+                                     builder.mul(block, _int(8)))
+                dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
+                product = fma(d, splat(dx, _NF), ir.Constant(_NF, [-0.0] * HALF))
+                value = fma(product, builder.sitofp(total, _NF), acc)
+                if offset is not None:
+                    sx = builder.load(builder.inttoptr(_at(builder, scales, 4),
+                                                       _F32.as_pointer()), align=4)
+                    value = fma(offset, splat(sx, _NF), value)
+                return value
+
+            def byte_totals(weights: list[ir.Value], first: ir.Value, fits: int
+                            ) -> list[ir.Value]:
+                """Per row: 255 (w . h) + (w . l) for x's high bytes h and low ones l,
+                weights[c] (4-bit or 6-bit, unsigned) by x's word c at ``first`` + 4c:
+                each group taken by every row as it comes, ``fits`` 16-bit sums of
+                ``vpmaddubsw`` before a ``vpmaddwd`` widens them."""
+                short = [[None, None] for _ in range(rows)]
+                wide = [[None, None] for _ in range(rows)]
+                for c, weights_c in enumerate(weights):
+                    w = builder.bitcast(weights_c, _NB)
+                    for b in range(rows):
+                        for part in range(2):  # x's high bytes, then its low ones
+                            at = builder.add(builder.add(row_at[b], builder.mul(
+                                cols, _int(part))), _at(builder, first, 4 * c))
+                            x = builder.bitcast(splat(word(at), _N32), _NB)
+                            product = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _NW, [w, x])
+                            last = short[b][part]
+                            short[b][part] = product if last is None else builder.add(
+                                last, product)
+                    if (c + 1) % fits and c + 1 < len(weights):
+                        continue
+                    for b in range(rows):
+                        for part in range(2):
+                            widened = _call(builder, "llvm.x86.avx2.pmadd.wd", _N32,
+                                            [short[b][part], ones16])
+                            last = wide[b][part]
+                            wide[b][part] = widened if last is None else builder.add(
+                                last, widened)
+                            short[b][part] = None
+                eight = ir.Constant(_N32, [8] * HALF)
+                return [builder.add(builder.sub(builder.shl(high, eight), high), low)
+                        for high, low in wide]
+
+            def nibbles(raw: ir.Value, high: int) -> ir.Value:
+                return builder.and_(builder.lshr(raw, four) if high else raw, mask)
+
+            def groups8(base: ir.Value, count: int, half: int) -> list[ir.Value]:
+                """The half's 8 lanes of ``count`` groups of a ``_dword_groups`` field."""
+                return [vector(_at(builder, base, 64 * g + 32 * half), _N32)
+                        for g in range(count)]
+
+            def lane_bytes(address: ir.Value, signed: bool) -> ir.Value:
+                raw = vector(address, ir.VectorType(_I8, HALF))
+                return builder.sitofp(raw, _NF) if signed else builder.uitofp(raw, _NF)
+
+            def negative_zero() -> ir.Constant:
+                return ir.Constant(_NF, [-0.0] * HALF)
+
+            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
+                if fmt not in NARROW_FORMATS:
+                    return
+                size = PANEL_BLOCK_BYTES[fmt & ~PAIRS]
+                for half in range(2):
+                    acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
+
+                    def add_all(block: ir.Value, totals: list[ir.Value], d: ir.Value,
+                                offset: ir.Value | None, acc: list = acc) -> None:
+                        for b in range(rows):
+                            builder.store(add_total(builder.load(acc[b]), b, block,
+                                                    totals[b], d, offset), acc[b])
+
+                    with cgutils.for_range(builder, blocks) as block:
+                        blk = builder.add(data, builder.mul(block.index, _int(size)))
+                        if half == 0:
+                            ahead = builder.add(blk, stride)
+                            for line in range(-(-size // 64)):
+                                prefetch_line(builder, builder.add(ahead, _int(64 * line)))
+                        d = halves8(_at(builder, blk, 16 * half))
+                        if fmt == Q8_0_PAIRS:
+                            # Each pair of columns widened once, then taken by every row.
+                            pair = [[ir.Constant(_N32, [0] * HALF)] * 2 for _ in range(rows)]
+                            first = builder.add(builder.add(builder.mul(cols, _int(2)),
+                                                            builder.sdiv(cols, _int(2))),
+                                                builder.mul(block.index, _int(64)))
+                            for c in range(16):
+                                w = builder.sext(vector(_at(builder, blk, 32 + 32 * c + 16 * half),
+                                                        ir.VectorType(_I8, 2 * HALF)), _NW)
+                                for b in range(rows):
+                                    x = builder.bitcast(splat(word(builder.add(
+                                        row_at[b], _at(builder, first, 4 * c))), _N32), _NW)
+                                    product = _call(builder, "llvm.x86.avx2.pmadd.wd", _N32,
+                                                    [w, x])
+                                    pair[b][c % 2] = builder.add(pair[b][c % 2], product)
+                            add_all(block.index, [builder.add(a, b) for a, b in pair], d, None)
+                        elif fmt in (Q4_0, Q4_1):
+                            if fmt == Q4_1:
+                                offset = halves8(_at(builder, blk, 32 + 16 * half))
+                                nib = _at(builder, blk, 64)
+                            else:
+                                offset = fma(d, ir.Constant(_NF, [-8.0] * HALF), negative_zero())
+                                nib = _at(builder, blk, 32)
+                            raw = groups8(nib, 4, half)
+                            # x's words 0-3 by the low nibbles, 4-7 by the high ones
+                            weights = [nibbles(v, 0) for v in raw] + [nibbles(v, 1) for v in raw]
+                            add_all(block.index, byte_totals(
+                                weights, builder.mul(block.index, _int(32)), 8), d, offset)
+                        elif fmt == Q4_K:  # 8 sub-blocks of 32 columns, 6-bit scale/min
+                            dmin = halves8(_at(builder, blk, 32 + 16 * half))
+                            with cgutils.for_range(builder, _int(4)) as step:  # 64 columns
+                                raw = groups8(builder.add(_at(builder, blk, 320),
+                                                          builder.mul(step.index, _int(512))),
+                                              8, half)
+                                for high in range(2):  # a sub-block's low nibbles, high ones
+                                    s = _at(builder, builder.mul(step.index, _int(2)), high)
+                                    at = builder.add(builder.mul(s, _int(PANEL)), _int(8 * half))
+                                    scale = fma(d, lane_bytes(_at(builder, builder.add(
+                                        blk, at), 64), False), negative_zero())
+                                    offset = builder.fneg(fma(dmin, lane_bytes(_at(
+                                        builder, builder.add(blk, at), 192), False),
+                                        negative_zero()))
+                                    xblock = builder.add(builder.mul(block.index, _int(8)), s)
+                                    add_all(xblock, byte_totals(
+                                        [nibbles(v, high) for v in raw],
+                                        builder.mul(xblock, _int(32)), 8), scale, offset)
+                        else:  # Q6_K: see ``_int_dots``'s six_bit_blocks
+                            ql, qh = _at(builder, blk, 288), _at(builder, blk, 2336)
+                            m30 = ir.Constant(_N32, [0x30303030] * HALF)
+                            with cgutils.for_range(builder, _int(4)) as step:
+                                h = builder.lshr(step.index, _int(1))
+                                part = builder.and_(step.index, _int(1))
+                                lows = builder.add(ql, builder.mul(builder.add(
+                                    builder.mul(h, _int(4)), part), _int(256)))
+                                tops = groups8(builder.add(qh, builder.mul(builder.add(
+                                    builder.mul(h, _int(2)), part), _int(256))), 4, half)
+                                for t in range(4):
+                                    low = groups8(_at(builder, lows, 512 * (t % 2)), 4, half)
+                                    quarter = [builder.or_(
+                                        nibbles(v, t >= 2),
+                                        builder.and_(builder.shl(u, ir.Constant(
+                                            _N32, [4 - 2 * t] * HALF)) if t < 2 else
+                                            builder.lshr(u, ir.Constant(
+                                                _N32, [2 * t - 4] * HALF)), m30))
+                                        for v, u in zip(low, tops)]
+                                    sub = builder.add(builder.mul(h, _int(8)),
+                                                      _at(builder, part, 2 * t))
+                                    scale = fma(d, lane_bytes(builder.add(_at(
+                                        builder, blk, 32 + 8 * half), builder.mul(
+                                            sub, _int(PANEL))), True), negative_zero())
+                                    xblock = builder.add(builder.mul(block.index, _int(8)),
+                                                         _at(builder, builder.mul(h, _int(4)), t))
+                                    first = builder.add(builder.mul(xblock, _int(32)),
+                                                        builder.mul(part, _int(16)))
+                                    totals = byte_totals(quarter, first, 2)
+                                    # the offset of 32: x's integer sums over 16 columns
+                                    at = builder.add(builder.add(builder.mul(cols, _int(2)),
+                                                                 builder.sdiv(cols, _int(4))),
+                                                     builder.add(builder.mul(xblock, _int(8)),
+                                                                 builder.mul(part, _int(4))))
+                                    for b in range(rows):
+                                        sixteen = builder.load(builder.inttoptr(builder.add(
+                                            row_at[b], at), _I32.as_pointer()), align=4)
+                                        totals[b] = builder.sub(totals[b], splat(builder.shl(
+                                            sixteen, ir.Constant(_I32, 5)), _N32))
+                                    add_all(xblock, totals, scale, None)
+                    for b in range(rows):
+                        at = builder.add(out, _int(b * PANEL * 4 + HALF * 4 * half))
+                        builder.store(builder.load(acc[b]),
+                                      builder.inttoptr(at, _NF.as_pointer()), align=4)
+
+            _for_each_format(builder, panel, walk)
+            return context.get_dummy_value()
+
+        return types.void(*(types.int64,) * 4), codegen
+
+    return dots
+
+
+_narrow1, _narrow2, _narrow3, _narrow4 = (_narrow_dots(rows)
+                                          for rows in range(1, PASS_ROWS + 1))
+
+
 @intrinsic
 def _dequant_panel(typingctx, panel, out):
     """out float32 [K, 16] (an address) = the panel at address ``panel``, widened: column
@@ -647,8 +979,9 @@ def _dequant_panel(typingctx, panel, out):
 
         def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
             with cgutils.for_range(builder, blocks) as block:
-                blk = builder.add(data, builder.mul(block.index, _int(PANEL_BLOCK_BYTES[fmt])))
-                col0 = builder.mul(block.index, _int(BLOCK_COLS[fmt]))
+                blk = builder.add(data, builder.mul(block.index,
+                                                    _int(PANEL_BLOCK_BYTES[fmt & ~PAIRS])))
+                col0 = builder.mul(block.index, _int(BLOCK_COLS[fmt & ~PAIRS]))
                 for loop in _loops(builder, fmt, blk):
                     negs = [None if o is None else builder.fsub(_scalar_splat(0.0), o,
                                                                 flags=_FAST)
@@ -712,6 +1045,11 @@ def rounded_x(x, w):
     return np.empty((0, 0), np.uint8)
 
 
+@numba.njit(cache=True, inline="always")
+def _narrow_format(code):
+    return code != Q5_K and code != Q8_0
+
+
 @numba.njit(cache=True)
 def packed_dots(w, p, xq, b0, rows, out_address):
     """16 sums per row (float32 [rows, 16] at ``out_address``) of rows b0 .. b0 + rows
@@ -719,7 +1057,16 @@ def packed_dots(w, p, xq, b0, rows, out_address):
     rows' integer roundings xq (``byte_dots.quantize_rows``)."""
     panel = w.ctypes.data + p * w.shape[1] * PANEL
     qa, q_step = xq.ctypes.data + b0 * xq.strides[0], xq.strides[0]
-    if rows == 1:
+    if narrow_cpu() and _narrow_format(_header(panel, 0)):
+        if rows == 1:
+            _narrow1(panel, qa, q_step, out_address)
+        elif rows == 2:
+            _narrow2(panel, qa, q_step, out_address)
+        elif rows == 3:
+            _narrow3(panel, qa, q_step, out_address)
+        else:
+            _narrow4(panel, qa, q_step, out_address)
+    elif rows == 1:
         _int_dots1(panel, qa, q_step, out_address)
     elif rows == 2:
         _int_dots2(panel, qa, q_step, out_address)
