@@ -77,23 +77,6 @@ def x_row_bytes(k):
     return (words_offset(k) + 2 * k + 63) // 64 * 64
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True, inline="always")
-def _round16(xb, inv, hb, lb, words, first):
-    """Columns first .. first + 15 of a block xb rounded into its high and low bytes
-    and its int16 words; the sum of their integers (under 2^24: exact in float32)."""
-    # In float32, where it vectorizes: integers this small are exact, and q / 255 lies
-    # at least 0.002 from a tie, so its rounding h leaves |q - 255 h| <= 127.
-    total = np.float32(0.0)
-    for i in range(first, first + 16):
-        q = np.rint(xb[i] * inv)
-        h = np.rint(q * np.float32(1.0 / 255.0))
-        hb[i] = np.int32(h)
-        lb[i] = np.int32(q - np.float32(255.0) * h)
-        words[i] = np.int32(q)
-        total += q
-    return total
-
-
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def quantize_rows(x, out):
     """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
@@ -102,28 +85,39 @@ def quantize_rows(x, out):
     K integers (int16). A block of zeros is integers 0 with d = 0."""
     k = x.shape[1]
     blocks = k // BLOCK
+    at = words_offset(k)
+    q = np.empty(BLOCK, np.float32)
     for b in range(x.shape[0]):
         high = out[b, :k].view(np.int8)
         low = out[b, k:2 * k].view(np.int8)
         pairs = out[b, 2 * k:2 * k + 8 * blocks].view(np.float32)
         sixteens = out[b, 2 * k + 8 * blocks:2 * k + 16 * blocks].view(np.int32)
-        ints = out[b, words_offset(k):words_offset(k) + 2 * k].view(np.int16)
+        ints = out[b, at:at + 2 * k].view(np.int16)
         for j in range(blocks):
-            xb = x[b, j * BLOCK:j * BLOCK + BLOCK]
+            first = j * BLOCK
             amax = np.float32(0.0)
             for i in range(BLOCK):
-                amax = max(amax, abs(xb[i]))
+                amax = max(amax, abs(x[b, first + i]))
             inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
-            hb = high[j * BLOCK:j * BLOCK + BLOCK]
-            lb = low[j * BLOCK:j * BLOCK + BLOCK]
-            words = ints[j * BLOCK:j * BLOCK + BLOCK]
-            first = _round16(xb, inv, hb, lb, words, 0)
-            second = _round16(xb, inv, hb, lb, words, 16)
-            sixteens[2 * j] = np.int32(first)
-            sixteens[2 * j + 1] = np.int32(second)
+            for i in range(BLOCK):
+                q[i] = np.rint(x[b, first + i] * inv)
+            # Sums of integers under 2^24: exact in float32, in any order.
+            head, tail = np.float32(0.0), np.float32(0.0)
+            for i in range(16):
+                head += q[i]
+                tail += q[16 + i]
+            # In float32, where it vectorizes: q / 255 lies at least 0.002 from a tie,
+            # so its rounding h leaves |q - 255 h| <= 127.
+            for i in range(BLOCK):
+                h = np.rint(q[i] * np.float32(1.0 / 255.0))
+                high[first + i] = np.int8(h)
+                low[first + i] = np.int8(q[i] - np.float32(255.0) * h)
+                ints[first + i] = np.int16(q[i])
+            sixteens[2 * j] = np.int32(head)
+            sixteens[2 * j + 1] = np.int32(tail)
             d = amax / np.float32(SCALE)
             pairs[2 * j] = d
-            pairs[2 * j + 1] = d * (first + second)
+            pairs[2 * j + 1] = d * (head + tail)
 
 
 @numba.njit(cache=True)
