@@ -164,6 +164,9 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
     ours = set(_features(cpu_target.target_context).split(","))
     if any(f not in ours for f in features.split(",") if f.startswith("+avx")):
         pytest.skip(f"this CPU cannot run code compiled for {name}")
+    # One of the first two a run (a compile each): the one whose code differs from ours.
+    if cpu != "avx512bw" and (cpu == "avx2") != ("+avx512f" in ours):
+        pytest.skip("the other of AVX and AVX2 is compared on this CPU")
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
     np.save(tmp_path / "x.npy", x.numpy())
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
