@@ -80,6 +80,7 @@ from numba.extending import intrinsic, overload
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the kernels' cache
 from rvllm.kernels.cpu.byte_dots import (
     V32,
+    _call,
     _features,
     dot_bytes_sum,
     dot_signed,
@@ -722,7 +723,7 @@ _int_dots1, _int_dots2, _int_dots3, _int_dots4 = (_int_dots(rows)
                                                   for rows in range(1, PASS_ROWS + 1))
 
 
-# --- AVX2 without AVX-512: Q4_0, Q4_1 and Q8_0 in pairs, eight lanes a walk ---------------
+# --- AVX2 without AVX-512: eight lanes a walk --------------------------------------------
 
 HALF = PANEL // 2
 NARROW_FORMATS = (Q4_0, Q4_1, Q8_0_PAIRS, Q4_K, Q6_K)
@@ -744,18 +745,16 @@ def narrow_cpu(typingctx):
 
 
 def _narrow_dots(rows: int):
-    """``_int_dots`` for Q4_0, Q4_1 and Q8_0 in pairs, on AVX2's 16 registers of 8 lanes:
-    the panel walked once for lanes 0-7 and again for 8-15, and each block's weight
-    vectors taken by every row as they come, a group at a time: the 16-lane walk kept
-    more vectors alive than AVX2 has registers, and its passes of 2-4 rows ran slower
-    per row than one row's. The same integers and the same float32 operations per lane
-    as ``_int_dots``, so the same numbers."""
+    """``_int_dots`` for Q4_0, Q4_1, Q8_0 (in pairs), Q4_K and Q6_K, on AVX2's 16
+    registers of 8 lanes: the panel walked once for lanes 0-7 and again for 8-15, and
+    each block's weight vectors taken by every row as they come, a group at a time: the
+    16-lane walk kept more vectors alive than AVX2 has registers, and its passes of 2-4
+    rows ran slower per row than one row's. The same integers and the same float32
+    operations per lane as ``_int_dots``, so the same numbers."""
 
     @intrinsic
     def dots(typingctx, panel, xq, xq_step, out):
         def codegen(context, builder, signature, args):
-            from rvllm.kernels.cpu.byte_dots import _call
-
             panel, xq, xq_step, out = args
             zero = ir.Constant(_NF, [0.0] * HALF)
             mask = ir.Constant(_N32, [0x0F0F0F0F] * HALF)
