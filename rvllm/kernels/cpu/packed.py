@@ -496,6 +496,26 @@ def _store_rows(builder: ir.IRBuilder, acc: list[ir.Value], out: ir.Value) -> No
         builder.store(builder.load(a), builder.inttoptr(at, _VEC.as_pointer()), align=4)
 
 
+# Offsets in a rounded row of x (``byte_dots.quantize_rows``) of K = cols values.
+
+def _x_pair(builder: ir.IRBuilder, cols: ir.Value, xblock: ir.Value) -> ir.Value:
+    """Block xblock's float32 pair (d, d * sum q)."""
+    return builder.add(builder.mul(cols, _int(2)), builder.mul(xblock, _int(8)))
+
+
+def _x_sixteen(builder: ir.IRBuilder, cols: ir.Value, xblock: ir.Value,
+               part: ir.Value) -> ir.Value:
+    """The int32 sum of block xblock's integers over its columns 16 part .. 16 part + 15."""
+    return builder.add(builder.add(builder.mul(cols, _int(2)), builder.sdiv(cols, _int(4))),
+                       builder.add(builder.mul(xblock, _int(8)), builder.mul(part, _int(4))))
+
+
+def _x_words(builder: ir.IRBuilder, cols: ir.Value, xblock: ir.Value) -> ir.Value:
+    """Block xblock's integers as int16."""
+    return builder.add(builder.add(builder.mul(cols, _int(2)), builder.sdiv(cols, _int(2))),
+                       builder.mul(xblock, _int(64)))
+
+
 def _splat_i(value: int) -> ir.Constant:
     return ir.Constant(V32, [value] * LANES)
 
@@ -566,10 +586,7 @@ def _int_dots(rows: int):
                 high, low = chains
                 total = builder.add(builder.sub(builder.shl(high, eight), high), low)
                 if part is not None:  # the int32 sums over 16 columns, after the pairs
-                    at = builder.add(builder.add(row, builder.add(builder.mul(cols, _int(2)),
-                                                                  builder.sdiv(cols, _int(4)))),
-                                     builder.add(builder.mul(xblock, _int(8)),
-                                                 builder.mul(part, _int(4))))
+                    at = builder.add(row, _x_sixteen(builder, cols, xblock, part))
                     sixteen = builder.load(builder.inttoptr(at, _I32.as_pointer()), align=4)
                     total = builder.sub(total, splat_i32(builder, builder.shl(
                         sixteen, ir.Constant(_I32, 5))))
@@ -580,8 +597,7 @@ def _int_dots(rows: int):
                 """Row b's float32 lanes plus d * dx * total + offset * (dx * sum q), for
                 the integer products ``total`` (<16 x i32>) with x's block ``xblock``."""
                 row = builder.add(xq, builder.mul(_int(b), xq_step))
-                scales = builder.add(builder.add(row, builder.mul(cols, _int(2))),
-                                     builder.mul(xblock, _int(8)))
+                scales = builder.add(row, _x_pair(builder, cols, xblock))
                 dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
                 value = _fma(builder, _product(builder, d, _splat(builder, dx)),
                              builder.sitofp(total, _VEC), builder.load(acc[b]))
@@ -677,11 +693,8 @@ def _int_dots(rows: int):
                             _at(builder, q, 32 * c), _B32.as_pointer()), align=1), _W32)
                             for c in range(16)]
                         for b in range(rows):
-                            words = builder.add(builder.add(
-                                builder.add(xq, builder.mul(_int(b), xq_step)),
-                                builder.add(builder.mul(cols, _int(2)),
-                                            builder.sdiv(cols, _int(2)))),
-                                builder.mul(block.index, _int(64)))
+                            words = builder.add(builder.add(xq, builder.mul(_int(b), xq_step)),
+                                                _x_words(builder, cols, block.index))
                             pair = [ir.Constant(V32, [0] * LANES)] * 2
                             for c in range(16):
                                 word = builder.load(builder.inttoptr(
@@ -786,8 +799,7 @@ def _narrow_dots(rows: int):
 
             def add_total(acc: ir.Value, b: int, block: ir.Value, total: ir.Value,
                           d: ir.Value, offset: ir.Value | None) -> ir.Value:
-                scales = builder.add(builder.add(row_at[b], builder.mul(cols, _int(2))),
-                                     builder.mul(block, _int(8)))
+                scales = builder.add(row_at[b], _x_pair(builder, cols, block))
                 dx = builder.load(builder.inttoptr(scales, _F32.as_pointer()), align=4)
                 product = fma(d, splat(dx, _NF), ir.Constant(_NF, [-0.0] * HALF))
                 value = fma(product, builder.sitofp(total, _NF), acc)
@@ -868,9 +880,7 @@ def _narrow_dots(rows: int):
                         if fmt == Q8_0_PAIRS:
                             # Each pair of columns widened once, then taken by every row.
                             pair = [[ir.Constant(_N32, [0] * HALF)] * 2 for _ in range(rows)]
-                            first = builder.add(builder.add(builder.mul(cols, _int(2)),
-                                                            builder.sdiv(cols, _int(2))),
-                                                builder.mul(block.index, _int(64)))
+                            first = _x_words(builder, cols, block.index)
                             for c in range(16):
                                 w = builder.sext(vector(_at(builder, blk, 32 + 32 * c + 16 * half),
                                                         ir.VectorType(_I8, 2 * HALF)), _NW)
@@ -941,10 +951,7 @@ def _narrow_dots(rows: int):
                                                         builder.mul(part, _int(16)))
                                     totals = byte_totals(quarter, first, 2)
                                     # the offset of 32: x's integer sums over 16 columns
-                                    at = builder.add(builder.add(builder.mul(cols, _int(2)),
-                                                                 builder.sdiv(cols, _int(4))),
-                                                     builder.add(builder.mul(xblock, _int(8)),
-                                                                 builder.mul(part, _int(4))))
+                                    at = _x_sixteen(builder, cols, xblock, part)
                                     for b in range(rows):
                                         sixteen = builder.load(builder.inttoptr(builder.add(
                                             row_at[b], at), _I32.as_pointer()), align=4)
