@@ -520,6 +520,20 @@ def _splat_i(value: int) -> ir.Constant:
     return ir.Constant(V32, [value] * LANES)
 
 
+def _ask_share(builder: ir.IRBuilder, block: ir.Value, part: ir.Value, parts: int,
+               size: int) -> None:
+    """Ask for share ``part`` of ``parts`` of the lines of the ``size``-byte block at
+    ``block`` (the same block of the next panel), as this one is walked. Asked for all
+    at once (37-53 lines a k-quant block), the AVX2 walks ran from memory at under half
+    the memory's read rate, as if the block's own loads waited behind them; one row, two
+    threads, G weights/s all at once and spread out: Q6_K 12 and 21.5, Q4_1 26 and 32.5,
+    Q4_K 22-25 and 21-29 (docs/performance.md)."""
+    each = -(-size // 64 // parts)
+    first = builder.add(block, builder.mul(part, _int(64 * each)))
+    for line in range(each):
+        prefetch_line(builder, _at(builder, first, 64 * line))
+
+
 def _int_dots(rows: int):
     """An intrinsic: out[b, 0:16] = the panel's 16 rows (Q4_0, Q4_1, Q8_0 or Q4_K, at
     address ``panel``) times rounded row b of x (``byte_dots.quantize_rows``: at xq + b *
@@ -607,7 +621,8 @@ def _int_dots(rows: int):
                     value = _fma(builder, offset, _splat(builder, sx), value)
                 builder.store(value, acc[b])
 
-            def six_bit_blocks(index: ir.Value, blk: ir.Value, d: ir.Value) -> None:
+            def six_bit_blocks(index: ir.Value, blk: ir.Value, d: ir.Value,
+                               ask: Callable[[ir.Value], None]) -> None:
                 """A Q6_K block: 16 sub-blocks of 16 columns, each q - 32 times d and its
                 signed 8-bit scale. Its 128 columns h are four quarters of 32 t, whose
                 low 4 bits are the low (t = 0, 1) or high (t = 2, 3) nibbles of bytes
@@ -617,6 +632,7 @@ def _int_dots(rows: int):
                 # A loop, not unrolled: a whole block's code for four rows of x was too
                 # long for the core's caches of decoded instructions.
                 with cgutils.for_range(builder, _int(4)) as step:
+                    ask(step.index)
                     h = builder.lshr(step.index, _int(1))
                     part = builder.and_(step.index, _int(1))  # columns 16 part.. of quarters
                     lows = builder.add(ql, builder.mul(builder.add(builder.mul(h, _int(4)),
@@ -653,17 +669,26 @@ def _int_dots(rows: int):
                 with cgutils.for_range(builder, blocks) as block:
                     blk = builder.add(data, builder.mul(block.index,
                                                         _int(PANEL_BLOCK_BYTES[fmt & ~PAIRS])))
+                    # The same block of the next panel: all its lines at once, or on AVX2
+                    # (Q5_K's walk there) a k-quant block's in four shares (``_ask_share``).
+                    size = PANEL_BLOCK_BYTES[fmt & ~PAIRS]
                     ahead = builder.add(blk, stride)
-                    for line in range(-(-PANEL_BLOCK_BYTES[fmt & ~PAIRS] // 64)):
+                    spread = fmt in (Q4_K, Q5_K, Q6_K) and _narrow_cpu(context)
+                    for line in range(0 if spread else -(-size // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
+
+                    def ask(step: ir.Value) -> None:
+                        if spread:
+                            _ask_share(builder, ahead, step, 4, size)
                     d = _halves(builder, blk)
                     if fmt == Q6_K:
-                        six_bit_blocks(block.index, blk, d)
+                        six_bit_blocks(block.index, blk, d, ask)
                         return
                     if fmt in (Q4_K, Q5_K):  # 8 sub-blocks of 32 columns, 6-bit scale/min
                         dmin = _halves(builder, _at(builder, blk, 32))
                         # A loop over 64 columns at a time (see six_bit_blocks).
                         with cgutils.for_range(builder, _int(4)) as step:
+                            ask(step.index)
                             base = builder.add(_at(builder, blk, 832 if fmt == Q5_K else 320),
                                                builder.mul(step.index, _int(512)))
                             for half in range(2):  # a sub-block's vectors at a time
@@ -857,17 +882,6 @@ def _narrow_dots(rows: int):
             def negative_zero() -> ir.Constant:
                 return ir.Constant(_NF, [-0.0] * HALF)
 
-            def ahead(block: ir.Value, part: ir.Value, parts: int, size: int) -> None:
-                """Ask for share ``part`` of ``parts`` of the lines of the block at
-                ``block``. Asked for all at once, a k-quant block's 37-53 lines took the
-                core's miss slots from the loads of the block being walked: from memory,
-                one row, two threads, Q6_K ran at 12 G weights/s, 21.5 spread out; Q4_1
-                at 26, 32.5; Q4_K 22-25, 21-29."""
-                each = -(-size // 64 // parts)
-                first = builder.add(block, builder.mul(part, _int(64 * each)))
-                for line in range(each):
-                    prefetch_line(builder, _at(builder, first, 64 * line))
-
             def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
                 if fmt not in NARROW_FORMATS:
                     return
@@ -884,9 +898,9 @@ def _narrow_dots(rows: int):
                     with cgutils.for_range(builder, blocks) as block:
                         blk = builder.add(data, builder.mul(block.index, _int(size)))
                         # The same block of the next panel, asked for a share of its
-                        # lines at a time as this one is walked (``ahead``).
+                        # lines at a time as this one is walked (``_ask_share``).
                         if fmt not in (Q4_K, Q6_K):
-                            ahead(builder.add(blk, stride), _int(half), 2, size)
+                            _ask_share(builder, builder.add(blk, stride), _int(half), 2, size)
                         d = halves8(_at(builder, blk, 16 * half))
                         if fmt == Q8_0_PAIRS:
                             # Each pair of columns widened once, then taken by every row.
@@ -917,7 +931,7 @@ def _narrow_dots(rows: int):
                         elif fmt == Q4_K:  # 8 sub-blocks of 32 columns, 6-bit scale/min
                             dmin = halves8(_at(builder, blk, 32 + 16 * half))
                             with cgutils.for_range(builder, _int(4)) as step:  # 64 columns
-                                ahead(builder.add(blk, stride), builder.add(
+                                _ask_share(builder, builder.add(blk, stride), builder.add(
                                     step.index, _int(4 * half)), 8, size)
                                 raw = groups8(builder.add(_at(builder, blk, 320),
                                                           builder.mul(step.index, _int(512))),
@@ -938,7 +952,7 @@ def _narrow_dots(rows: int):
                             ql, qh = _at(builder, blk, 288), _at(builder, blk, 2336)
                             m30 = ir.Constant(_N32, [0x30303030] * HALF)
                             with cgutils.for_range(builder, _int(4)) as step:
-                                ahead(builder.add(blk, stride), builder.add(
+                                _ask_share(builder, builder.add(blk, stride), builder.add(
                                     step.index, _int(4 * half)), 8, size)
                                 h = builder.lshr(step.index, _int(1))
                                 part = builder.and_(step.index, _int(1))
