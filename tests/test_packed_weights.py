@@ -181,13 +181,28 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
     assert np.array_equal(theirs, np.stack(ours))
 
 
-def test_a_weight_of_mixed_formats_reads_each_panel_by_its_own() -> None:
+def _panel_size(fmt: int, k: int) -> int:
+    return -(-pk.panel_bytes(fmt, k) // 64) * 64
+
+
+@pytest.mark.parametrize("layout", [
+    [(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 21)],  # three runs: each as long as it needs
+    [(T.Q4_K, 16), (T.Q6_K, 16), (T.Q4_K, 16), (T.Q8_0, 21)],  # four: all the longest
+], ids=["three-runs", "four-runs"])
+def test_a_weight_of_mixed_formats_reads_each_panel_by_its_own(layout) -> None:
     k = 512
     parts = [pk.QuantizedRows(int(f), random_rows(f, rows, k, seed=i), k)
-             for i, (f, rows) in enumerate([(T.Q4_K, 32), (T.Q6_K, 16), (T.Q8_0, 21)])]
-    panels = pk.pack_rows(parts, 69)
+             for i, (f, rows) in enumerate(layout)]
+    n = sum(rows for _, rows in layout)
+    panels = pk.pack_rows(parts, n)
+    counts = [-(-rows // 16) for _, rows in layout]
+    if len(layout) <= 3:
+        assert panels.nbytes == sum(c * _panel_size(f, k) for (f, _), c in zip(layout, counts))
+    else:
+        assert panels.nbytes == sum(counts) * max(_panel_size(f, k) for f, _ in layout)
+    assert pk.panel_formats(panels.weight) == {int(f) for f, _ in layout}
     w = torch.cat([dequantize(p.data, p.fmt, (p.rows, k)) for p in parts])
-    assert torch.equal(pk.dequantize_panels(panels.weight, 69, k), w)
+    assert torch.equal(pk.dequantize_panels(panels.weight, n, k), w)
     x = torch.randn(3, k)
     ref = rounded(x) @ w.double().T
     for rows in (1, 3):
@@ -326,6 +341,9 @@ def test_a_quantized_gguf_runs_packed_by_default_and_matches_float32(mixed_llama
     model = engine.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.linear_kind == "packed" and qkv.weight.numel() == 0
+    # Q and K (Q4_K) and V (Q6_K) panels each as long as their format needs
+    assert qkv.panel_weight.nbytes == (24 * _panel_size(T.Q4_K, 256)
+                                       + 8 * _panel_size(T.Q6_K, 256))
     assert model.model.embed_tokens.weight.numel() == 0  # its rows are read packed
     plan = model.model.step_plan()  # the compiled decode step takes the packed panels,
     assert plan is not None and plan.arrays.like.dtype == np.uint8  # layers of mixed types

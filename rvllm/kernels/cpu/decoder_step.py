@@ -78,7 +78,13 @@ from rvllm.kernels.cpu.gemv import (
     panel_shape,
 )
 from rvllm.kernels.cpu.numerics import _prefetch, kv_array
-from rvllm.kernels.cpu.packed import dequant_panel, is_packed, panel_stride16, rounded_x
+from rvllm.kernels.cpu.packed import (
+    dequant_panel,
+    is_packed,
+    panel_address,
+    panel_stride16,
+    rounded_x,
+)
 from rvllm.kernels.cpu.step_parts import (
     _gate_up_share,
     _gate_up_silu,
@@ -242,6 +248,8 @@ def _span(w, shares):
 
 @numba.njit(cache=True, inline="always")
 def _panel_address(w, p):
+    if is_packed(w):
+        return panel_address(w, p)
     return w.ctypes.data + p * w.shape[1] * PANEL * w.itemsize
 
 

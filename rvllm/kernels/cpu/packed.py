@@ -18,7 +18,10 @@ byte products take them. The bytes are the file's, but for Q4_K's and Q5_K's sub
 scales and minima, unpacked from 12 bytes to 16 (+2.8% and
 +2.3% of those formats' bytes). Rows past N are zero blocks. Panels of one weight may
 differ in format (a fused Q/K/V whose V rows are Q6_K and the others Q4_K): each panel
-is read by its own header, and panels of a weight are all as long as the longest.
+is read by its own header, and each part's panels are as long as its format needs. The
+weight's panels then lie in up to three runs of one length each, which the first
+panel's header lists (``panel_address``); a weight of more runs than that pads them all
+to the longest.
 
 **Formats.** Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (blocks of 256). Each
 weight is ``scale * q - offset`` for an integer q and a (scale, offset) pair per sub-
@@ -66,6 +69,7 @@ on lookup.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,7 +94,7 @@ from rvllm.kernels.cpu.byte_dots import (
     splat_i32,
 )
 from rvllm.kernels.cpu.numerics import prefetch_line
-from rvllm.kernels.cpu.panels import Panels
+from rvllm.kernels.cpu.panels import Panels, packed_bytes, panel_offset, panel_runs
 from rvllm.kernels.cpu.vectors import (
     _F32,
     _FAST,
@@ -105,7 +109,10 @@ from rvllm.kernels.cpu.vectors import (
 )
 
 PANEL = LANES
-HEADER = 64  # bytes of a panel's header: format code, K, panel bytes / 16
+# Bytes of a panel's header, eight int64: format code, K, the panel's bytes / 16, and
+# where the weight's second and third runs of panels begin (panel index, panels' bytes /
+# 16 in that run; the first panel's are read, ``panel_address``).
+HEADER = 64
 PASS_ROWS = 4  # rows of x a pass over a panel multiplies (``_int_dots1`` .. ``_int_dots4``)
 
 # GGML type codes (``models.ggml_types.GGMLType``) of the formats kept packed.
@@ -248,8 +255,11 @@ def int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Quant
 
 def panel_formats(weight: np.ndarray) -> set[int]:
     """The GGML type codes of a packed weight's panels, from their headers."""
-    codes = weight.reshape(weight.shape[0], -1)[:, 0:8].view(np.int64)[:, 0].tolist()
-    return {code & ~PAIRS for code in codes}
+    runs = panel_runs(weight)
+    memory = np.frombuffer((ctypes.c_uint8 * packed_bytes(weight)).from_address(
+        weight.ctypes.data), np.uint8)
+    return {int(memory[o:o + 8].view(np.int64)[0]) & ~PAIRS
+            for o in (panel_offset(runs, p) for p in range(weight.shape[0]))}
 
 
 def packable(fmt: int, cols: int) -> bool:
@@ -257,10 +267,28 @@ def packable(fmt: int, cols: int) -> bool:
     return fmt in BLOCK_COLS and cols % BLOCK_COLS[fmt] == 0
 
 
+def _runs(parts: list[QuantizedRows], cols: int) -> list[tuple[int, int]]:
+    """(first panel, panel bytes) of each run of panels of one length, three of them
+    (the last ones empty where there are fewer): each part's panels as long as its format
+    needs, or all as long as the longest where that makes more than three runs."""
+    runs: list[tuple[int, int]] = []
+    first = 0
+    for part in parts:
+        size = -(-panel_bytes(part.fmt, cols) // 64) * 64
+        if not runs or runs[-1][1] != size:
+            runs.append((first, size))
+        first += -(-part.rows // PANEL)
+    if len(runs) > 3:
+        runs = [(0, max(size for _, size in runs))]
+    return runs + [(first, runs[-1][1])] * (3 - len(runs))
+
+
 def pack_rows(parts: list[QuantizedRows], rows: int, pairs: bool | None = None) -> Panels:
     """The packed panels of a weight [rows, K] made of ``parts`` (consecutive row ranges,
     each of one GGML type; every part but the last a multiple of 16 rows); Q8_0 in pairs
-    of columns or not as ``panel_code`` says."""
+    of columns or not as ``panel_code`` says. The array is [panels, bytes / 16 of the
+    shortest panel, 16]: panels of other lengths lie further on in its memory, where
+    ``panel_address`` finds them."""
     from rvllm.host_memory import empty_huge_pages
 
     cols = parts[0].cols
@@ -268,11 +296,10 @@ def pack_rows(parts: list[QuantizedRows], rows: int, pairs: bool | None = None) 
         raise ValueError("packed parts do not cover the weight's rows")
     if any(p.rows % PANEL for p in parts[:-1]):
         raise ValueError("packed parts must start on a panel of 16 rows")
-    stride = max(panel_bytes(p.fmt, cols) for p in parts)
-    stride = -(-stride // 64) * 64
+    runs = _runs(parts, cols)
     total = -(-rows // PANEL)
-    out = empty_huge_pages((total, stride // PANEL, PANEL), torch.uint8).numpy()
-    flat = out.reshape(total, stride)
+    memory = empty_huge_pages((panel_offset(runs, total),), torch.uint8).numpy()
+    shortest = min(size for _, size in runs)
     first = 0
     for part in parts:
         fmt = part.fmt
@@ -287,12 +314,18 @@ def pack_rows(parts: list[QuantizedRows], rows: int, pairs: bool | None = None) 
         code = panel_code(fmt, pairs)
         body = _panel_blocks(code, blocks.reshape(count, PANEL, nb, TYPE_BYTES[fmt]))
         size = body.shape[1] * body.shape[2]
-        head = flat[first:first + count, :HEADER].view(np.int64)
+        start = panel_offset(runs, first)
+        stride = panel_offset(runs, first + 1) - start  # the part's panels: one run's length
+        flat = memory[start:start + count * stride].reshape(count, stride)
+        head = flat[:, :HEADER].view(np.int64)
         head[:, 0], head[:, 1], head[:, 2] = code, cols, stride // PANEL
-        head[:, 3:] = 0
-        flat[first:first + count, HEADER:HEADER + size] = body.reshape(count, size)
-        flat[first:first + count, HEADER + size:] = 0
+        head[:, 3], head[:, 4] = runs[1][0], runs[1][1] // PANEL
+        head[:, 5], head[:, 6] = runs[2][0], runs[2][1] // PANEL
+        head[:, 7] = 0
+        flat[:, HEADER:HEADER + size] = body.reshape(count, size)
+        flat[:, HEADER + size:] = 0
         first += count
+    out = memory[:total * shortest].reshape(total, shortest // PANEL, PANEL)
     return Panels(out, np.empty(0, np.float32), rows)
 
 
@@ -1066,9 +1099,20 @@ def _header(address, field):
 
 
 @numba.njit(cache=True, inline="always")
+def panel_address(w, p):
+    """Where panel p of the packed weight w begins: its runs of panels of one length
+    (``pack_rows``) from the first panel's header."""
+    base = w.ctypes.data
+    s0, q1, s1, q2, s2 = (_header(base, 2), _header(base, 3), _header(base, 4),
+                          _header(base, 5), _header(base, 6))
+    return base + PANEL * (p * s0 + max(p - q1, 0) * (s1 - s0) + max(p - q2, 0) * (s2 - s1))
+
+
+@numba.njit(cache=True, inline="always")
 def panel_stride16(address):
-    """A packed weight's panel bytes over 16 (its panels' shape[1]), from its header."""
-    return _header(address, 2)
+    """A packed weight's shortest panel's bytes over 16 (its array's shape[1]), from its
+    first panel's header."""
+    return min(_header(address, 2), _header(address, 4), _header(address, 6))
 
 
 @numba.njit(cache=True, inline="always")
@@ -1090,7 +1134,7 @@ def packed_dots(w, p, xq, b0, rows, out_address):
     """16 sums per row (float32 [rows, 16] at ``out_address``) of rows b0 .. b0 + rows
     (rows <= 4) of x times packed panel p of w, read straight from its bytes, from the
     rows' integer roundings xq (``byte_dots.quantize_rows``)."""
-    panel = w.ctypes.data + p * w.shape[1] * PANEL
+    panel = panel_address(w, p)
     qa, q_step = xq.ctypes.data + b0 * xq.strides[0], xq.strides[0]
     if narrow_cpu() and _narrow_format(_header(panel, 0)):
         if rows == 1:
@@ -1114,7 +1158,7 @@ def packed_dots(w, p, xq, b0, rows, out_address):
 @numba.njit(cache=True)
 def dequant_panel(w, p, scratch):
     """Packed panel p of w widened into scratch float32 [1, K, 16]."""
-    _dequant_panel(w.ctypes.data + p * w.shape[1] * PANEL, scratch.ctypes.data)
+    _dequant_panel(panel_address(w, p), scratch.ctypes.data)
 
 
 @numba.njit(parallel=True, cache=True)
