@@ -94,9 +94,9 @@ def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int)
 
 @pytest.mark.parametrize("pairs", [False, True], ids=["groups_of_4", "pairs"])
 def test_q8_0_s_two_layouts_hold_the_same_weights_and_products(pairs: bool) -> None:
-    """Q8_0 is laid out in pairs of columns for ``vpmaddwd`` on CPUs without VNNI, in
-    groups of 4 for ``vpdpbusd`` on the others; each layout works on every CPU, and
-    gives the same numbers as the other."""
+    """Q8_0 is laid out in pairs of columns for ``vpmaddwd`` (the default), or in groups
+    of 4 for ``vpdpbusd``; each layout works on every CPU, and gives the same numbers as
+    the other."""
     n, k = 37, 160
     raw = random_rows(T.Q8_0, n, k, seed=4)
     panels = pk.pack_rows([pk.QuantizedRows(int(T.Q8_0), raw, k)], n, pairs=pairs)
