@@ -558,7 +558,8 @@ def _ask_share(builder: ir.IRBuilder, block: ir.Value, part: ir.Value, parts: in
     at once (37-53 lines a k-quant block), the AVX2 walks ran from memory at under half
     the memory's read rate, as if the block's own loads waited behind them; one row, two
     threads, G weights/s all at once and spread out: Q6_K 12 and 21.5, Q4_1 26 and 32.5,
-    Q4_K 22-25 and 21-29 (docs/performance.md)."""
+    Q4_K 22-25 and 21-29; the 16-lane walks on AVX-512 (Zen 4), medians of six: Q6_K
+    26.6 and 34.9, Q4_K 49.4 and 52.5 (docs/performance.md)."""
     each = -(-size // 64 // parts)
     first = builder.add(block, builder.mul(part, _int(64 * each)))
     for line in range(each):
@@ -700,11 +701,11 @@ def _int_dots(rows: int):
                 with cgutils.for_range(builder, blocks) as block:
                     blk = builder.add(data, builder.mul(block.index,
                                                         _int(PANEL_BLOCK_BYTES[fmt & ~PAIRS])))
-                    # The same block of the next panel: all its lines at once, or on AVX2
-                    # (Q5_K's walk there) a k-quant block's in four shares (``_ask_share``).
+                    # The same block of the next panel: a small block's lines at once, a
+                    # k-quant block's in four shares (``_ask_share``).
                     size = PANEL_BLOCK_BYTES[fmt & ~PAIRS]
                     ahead = builder.add(blk, stride)
-                    spread = fmt in (Q4_K, Q5_K, Q6_K) and _narrow_cpu(context)
+                    spread = fmt in (Q4_K, Q5_K, Q6_K)
                     for line in range(0 if spread else -(-size // 64)):
                         prefetch_line(builder, builder.add(ahead, _int(64 * line)))
 
