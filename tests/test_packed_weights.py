@@ -13,6 +13,7 @@ random model, whose every layer rounds x).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -388,6 +389,20 @@ def test_quantization_choices_this_machine_cannot_run_are_refused(mixed_llama,
         LLM(str(llama_dir), quantization="gguf")
     with pytest.raises(ValueError, match="not a awq checkpoint"):
         LLM(str(llama_dir), quantization="awq")
+
+
+def test_tensor_parallel_widens_a_quantized_gguf_and_says_so(mixed_llama, caplog) -> None:
+    from rvllm.engine.engine_startup import resolve_quantization
+
+    cpu = torch.device("cpu")
+    assert resolve_quantization(None, str(mixed_llama), cpu, torch.float32) == "gguf"
+    with caplog.at_level(logging.WARNING, logger="rvllm"):
+        assert resolve_quantization(None, str(mixed_llama), cpu, torch.float32,
+                                    tensor_parallel_size=2) is None
+    assert "widened to float32" in caplog.text
+    with pytest.raises(ValueError, match="leave --tensor-parallel-size at 1"):
+        resolve_quantization("gguf", str(mixed_llama), cpu, torch.float32,
+                             tensor_parallel_size=2)
 
 
 def _int4_checkpoint(src: Path, dst: Path, method: str) -> tuple[Path, Path]:

@@ -107,9 +107,14 @@ def resolve_quantization(requested: str | None, model: str, device: torch.device
                            "--quantization int4 quantizes a float checkpoint at load)",
                            int4_method, str(dtype).removeprefix("torch."))
             return None
-        if gguf is not None and on_cpu_f32 and tensor_parallel_size == 1 \
-                and model_impl != "jax" and gguf_has_packed_weights(gguf):
-            return "gguf"
+        if gguf is not None and on_cpu_f32 and model_impl != "jax" \
+                and gguf_has_packed_weights(gguf):
+            if tensor_parallel_size == 1:
+                return "gguf"
+            logger.warning("%s: its quantized weights run packed on one rank only; with "
+                           "--tensor-parallel-size %d they are widened to float32 (about "
+                           "4-7 times the file's bytes in memory)", gguf,
+                           tensor_parallel_size)
         return None
     if requested == "gguf" and gguf is None:
         raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights packed; "
