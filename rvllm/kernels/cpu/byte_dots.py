@@ -148,13 +148,6 @@ def _vnni(context) -> bool:  # noqa: ANN001
     return "+avx512vnni" in _features(context)
 
 
-def compiles_vnni() -> bool:
-    """Whether numba compiles the kernels for a CPU with AVX-512 VNNI."""
-    from numba.core.registry import cpu_target
-
-    return _vnni(cpu_target.target_context)
-
-
 def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
     fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(ret, [a.type for a in args]))
     return builder.call(fn, args)
