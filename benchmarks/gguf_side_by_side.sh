@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# rvllm on quantized GGUF files (packed, the default; with INT8=1 also --quantization
-# int8) beside llama.cpp on the same files, 2 threads, alternated, twice: decode tok/s at
-# N=1 (`rvllm benchmark`, `llama-bench -n 128`) and N=32 (`llama-batched-bench`'s S_TG).
+# rvllm on quantized GGUF files (packed, the default; with A8=1 also packed with
+# --packed-activations int8, with INT8=1 also --quantization int8) beside llama.cpp on the
+# same files, 2 threads, alternated, twice: decode tok/s at N=1 (`rvllm benchmark`,
+# `llama-bench -n 128`) and N=32 (`llama-batched-bench`'s S_TG).
 # PEERS: the folder with llama.cpp's build (build/bin) and the random Llama's Q4_K_M and
 # Q8_0 files (docs/benchmarks.md says how they were made).
 set -u
@@ -12,9 +13,11 @@ B=$P/build/bin
 for rep in 1 2; do
   for m in "$SMOL" $P/random-llama-Q4_K_M.gguf $P/random-llama-Q8_0.gguf; do
     echo "== rep $rep $(basename "$m" .gguf) $(date -u +%T)"
-    for q in gguf ${INT8:+int8}; do
+    for q in gguf ${A8:+gguf/int8} ${INT8:+int8}; do
       echo "-- rvllm $q"
-      .venv/bin/rvllm benchmark --model "$m" --quantization $q --n 1,32 --input-len 32 --output-len 128 2>/dev/null | grep -E "^ *(1|32) "
+      flags="--quantization ${q%/*}"
+      [ "$q" = gguf/int8 ] && flags="$flags --packed-activations int8"
+      .venv/bin/rvllm benchmark --model "$m" $flags --n 1,32 --input-len 32 --output-len 128 2>/dev/null | grep -E "^ *(1|32) "
     done
     echo "-- llama.cpp"
     LD_LIBRARY_PATH=$B $B/llama-bench -m "$m" -p 0 -n 128 -t 2 2>/dev/null | grep tg128

@@ -324,6 +324,9 @@ class EngineArgs:
     # LLMEngine.idle_work). Off for LLM(...) and the benchmarks, which want them packed.
     defer_weight_packing: bool = False
     quantization: str | None = None  # int8: int8 weights, dynamic int8 activations (CPU)
+    # What packed weights (GGUF blocks, int4) multiply: x rounded per block of 32 to 16
+    # bits (int16), or to 8 (int8: llama.cpp's, half the byte products, lossy).
+    packed_activations: str = "int16"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     # The grammar engine and JSON defaults of structured output (a dict or JSON text is

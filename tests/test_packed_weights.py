@@ -9,6 +9,12 @@ and within 1e-4 of the largest output of the product with x itself. An engine on
 weights gives the same greedy tokens as one on the dequantized float32 weights, with
 logprobs within 5e-2 (``ROUNDED_ATOL``; the largest seen 0.033, on the mixed Q4_K_M-like
 random model, whose every layer rounds x).
+
+With ``--packed-activations int8`` x is rounded to 8 bits per block of 32 (llama.cpp's
+activations): the products are held to 1e-5 of that rounded x's, and an engine's greedy
+tokens equal those of the float32 weights whose layers' inputs are rounded the same way
+in torch, logprobs within 0.25 (``EIGHT_BIT_ATOL``). That is lossy: against float32
+itself the tokens part within a few on the mixed model.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from rvllm.kernels.cpu.gemv import gemv
 from rvllm.models.dequant import dequantize
 
 ROUNDED_ATOL = 5e-2  # logprobs of a model whose layers round x, against float32
+EIGHT_BIT_ATOL = 0.25  # the same with x rounded to 8 bits (--packed-activations int8)
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 # Byte ranges of each block's float16 fields (written finite and small).
 _HALVES = {T.Q8_0: [(0, 2)], T.Q4_0: [(0, 2)], T.Q4_1: [(0, 2), (2, 4)],
@@ -66,15 +73,17 @@ def test_unpacking_the_panels_is_bit_identical_to_the_gguf_package(fmt) -> None:
     assert panels.cols == k and panels.rows == n
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
+def rounded(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
     """x [B, K] rounded to integers per block of 32 and widened back (float64):
-    rint(x * 32385 / amax) times amax / 32385, written here apart from ``byte_dots``."""
+    rint(x * top / amax) times amax / top, top = 32385 (16 bits) or 127 (8 bits),
+    written here apart from ``byte_dots``."""
+    top = 32385.0 if bits == 16 else 127.0
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(32385.0) / amax, torch.tensor(0.0))
+    inv = torch.where(amax > 0, torch.tensor(top) / amax, torch.tensor(0.0))
     q = torch.round(blocks * inv)
-    assert q.abs().max() <= 32385
-    return (q.double() * (amax / 32385.0).double()).reshape(x.shape)
+    assert q.abs().max() <= top
+    return (q.double() * (amax / top).double()).reshape(x.shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -127,6 +136,31 @@ def test_a_row_s_product_is_the_same_number_in_any_batch(fmt) -> None:
     assert torch.equal(gemv(x[20:21], panels), full[20:21])
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_eight_bit_x_gives_the_products_of_x_rounded_to_8_bits(fmt) -> None:
+    """``set_x_bits(w, 8)``: every format multiplies x rounded to 8 bits per block of 32,
+    each row the same number in any batch; back to 16 bits, the products are as before."""
+    n = 53
+    k = 96 if pk.BLOCK_COLS[int(fmt)] == 32 else 768
+    raw, panels = packed_weight(fmt, n, k, seed=7)
+    w = dequantize(raw, fmt, (n, k)).double()
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7))
+    sixteen = panels_matmul(x, panels)
+    pk.set_x_bits(panels.weight, 8)
+    full = panels_matmul(x, panels)
+    exact = rounded(x, 8) @ w.T
+    assert (full.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    ref = x.double() @ w.T
+    assert (full.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    for rows in (1, 2, 3, 4, 5):
+        part = gemv(x[:1], panels) if rows == 1 else panels_matmul(x[:rows], panels)
+        assert torch.equal(part, full[:rows])
+    pk.set_x_bits(panels.weight, 16)
+    assert torch.equal(panels_matmul(x, panels), sixteen)
+    with pytest.raises(ValueError, match="16 or 8 bits"):
+        pk.set_x_bits(panels.weight, 4)
+
+
 # What numba compiles for, by the instructions the packed products then take: plain
 # integer IR without AVX2, AVX2's eight-lane walks (``packed._narrow_dots``), and vpmaddubsw on
 # one AVX-512BW register without VNNI.
@@ -137,15 +171,21 @@ _CPUS = {"avx": ("ivybridge", "+64bit,+avx,+f16c,+sse4.2,+popcnt"),
 _PRODUCTS = """
 import sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
-from test_packed_weights import packed_weight
-from rvllm.kernels.cpu.f32_gemm import panels_matmul
-from gguf import GGMLQuantizationType as T
+from test_packed_weights import FORMATS, products
 torch.set_num_threads(1)
-x = torch.from_numpy(np.load({x!r}))
-out = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
-       for f in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)]
-np.save({out!r}, np.stack(out))
+np.save({out!r}, products(torch.from_numpy(np.load({x!r}))))
 """
+
+
+def products(x: torch.Tensor) -> np.ndarray:
+    """Each format's products with x, x rounded to 16 bits and to 8."""
+    out = []
+    for bits in (16, 8):
+        for f in FORMATS:
+            panels = packed_weight(f, 53, 256)[1]
+            pk.set_x_bits(panels.weight, bits)
+            out.append(panels_matmul(x, panels).numpy())
+    return np.stack(out)
 
 
 @pytest.mark.parametrize("cpu", [
@@ -176,10 +216,7 @@ def test_every_cpu_computes_the_same_integers(cpu: str, tmp_path: Path) -> None:
     script = _PRODUCTS.format(tests=str(Path(__file__).parent), x=str(tmp_path / "x.npy"),
                               out=str(tmp_path / "out.npy"))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
-    theirs = np.load(tmp_path / "out.npy")
-    ours = [panels_matmul(x, packed_weight(f, 53, 256)[1]).numpy()
-            for f in FORMATS]
-    assert np.array_equal(theirs, np.stack(ours))
+    assert np.array_equal(np.load(tmp_path / "out.npy"), products(x))
 
 
 def _panel_size(fmt: int, k: int) -> int:
@@ -316,9 +353,14 @@ def mixed_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _generate(path: Path, quantization: str | None, prompts: list[list[int]], **kw):
-    from rvllm import LLM, SamplingParams
+    from rvllm import LLM
 
-    llm = LLM(str(path), quantization=quantization, **kw)
+    return _outputs(LLM(str(path), quantization=quantization, **kw), prompts)
+
+
+def _outputs(llm, prompts: list[list[int]]):  # noqa: ANN001, ANN202
+    from rvllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params)
     return llm, [(o.outputs[0].token_ids,
@@ -371,6 +413,41 @@ def test_a_tied_q8_0_embedding_feeds_the_lm_head_packed(tmp_path: Path) -> None:
     assert head.linear_kind == "packed"
     _, plain = _generate(path, "none", PROMPTS)
     _assert_same(packed, plain, atol=ROUNDED_ATOL)  # the Q4_1 layers and the Q8_0 head round x
+
+
+def test_packed_activations_int8_match_float32_with_inputs_rounded_to_8_bits(
+        mixed_llama) -> None:
+    """``--packed-activations int8``: every packed layer multiplies x rounded to 8 bits
+    per block of 32. Greedy tokens equal those of the float32 weights (the torch path)
+    whose every linear layer's input is rounded so first, with and without chunked
+    prefill, logprobs within ``EIGHT_BIT_ATOL`` (a value near a rounding tie goes either
+    way). The float32 engine itself parts from them within a few tokens on this small
+    random model, whose logits are far apart: the rounding is lossy. Refused where
+    nothing runs packed."""
+    from rvllm import LLM
+    from rvllm.kernels.cpu.packed import eight_bit_x
+    from rvllm.layers.cpu_linear import PackableLinear
+
+    llm, eight = _generate(mixed_llama, None, PROMPTS, packed_activations="int8")
+    assert llm.engine.settings()["packed_activations"] == "int8"
+    layer = llm.engine.model.model.layers[0]
+    assert all(eight_bit_x(m.panel_weight.weight)
+               for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, llm.engine.model.lm_head))
+    ref = LLM(str(mixed_llama), quantization="none", kernel_backend="torch")
+
+    def round_input(module, args):  # noqa: ANN001, ANN202
+        x = args[0]
+        return (rounded(x.reshape(-1, x.shape[-1]), 8).float().view(x.shape), *args[1:])
+    hooked = [m.register_forward_pre_hook(round_input) for m in ref.engine.model.modules()
+              if isinstance(m, PackableLinear)]
+    assert len(hooked) == 2 * 4 + 1  # qkv, o, gate_up and down of both layers, the LM head
+    _, rounded_ref = _outputs(ref, PROMPTS)
+    _assert_same(eight, rounded_ref, atol=EIGHT_BIT_ATOL)
+    _, chunked = _generate(mixed_llama, None, PROMPTS, packed_activations="int8",
+                           max_num_batched_tokens=16, max_num_seqs=2)
+    _assert_same(chunked, rounded_ref, atol=EIGHT_BIT_ATOL)
+    with pytest.raises(ValueError, match="is for weights kept packed"):
+        _generate(mixed_llama, "none", PROMPTS, packed_activations="int8")
 
 
 def test_int4_at_load_runs_on_the_packed_kernels(mixed_llama) -> None:

@@ -156,6 +156,22 @@ def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
             f"kernels with tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
+def check_packed_activations(args: EngineArgs, quantization: str | None) -> None:
+    """``--packed-activations`` names what packed weights multiply: refused where the
+    model's weights do not run packed."""
+    from rvllm.layers.cpu_linear import PACKED_ACTIVATIONS, PACKED_QUANTIZATIONS
+
+    if args.packed_activations not in PACKED_ACTIVATIONS:
+        raise ValueError(f"--packed-activations must be one of "
+                         f"{', '.join(PACKED_ACTIVATIONS)}, got {args.packed_activations!r}")
+    if args.packed_activations != "int16" and (quantization not in PACKED_QUANTIZATIONS
+                                               or args.model_impl == "jax"):
+        raise ValueError(f"--packed-activations {args.packed_activations} is for weights "
+                         "kept packed on the CPU (a quantized GGUF file, int4); this model "
+                         f"runs with --quantization {quantization or 'none'}"
+                         + (" under --model-impl jax" if args.model_impl == "jax" else ""))
+
+
 def check_async_scheduling(args: EngineArgs) -> None:
     """What ``--async-scheduling`` does not overlap, refused at start-up rather than run
     without it: speculative decoding and multi-step decoding (their steps propose from,

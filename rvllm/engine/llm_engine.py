@@ -32,6 +32,7 @@ from rvllm.engine.engine_startup import (
     NoTorchModel,
     check_async_scheduling,
     check_jax_backend,
+    check_packed_activations,
     check_scheduler_steps,
     check_speculative,
     preemption_mode,
@@ -54,6 +55,7 @@ from rvllm.layers.cpu_linear import (
     PENDING_GEMM_MAX_ROWS,
     finish_linear_weights,
     reorder_pending,
+    set_packed_activations,
 )
 from rvllm.layers.sampler import speculation_allowed
 from rvllm.malloc import release_freed_memory
@@ -125,6 +127,7 @@ class LLMEngine:
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
         check_async_scheduling(args)
+        check_packed_activations(args, self.quantization)
         if args.model_impl == "jax":  # before the weights load
             check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
@@ -174,6 +177,8 @@ class LLMEngine:
                                                 args.chat_template)
             phase = time.perf_counter()
             finish_linear_weights(self.model)  # before anything runs the model
+            if args.packed_activations != "int16":
+                set_packed_activations(self.model, args.packed_activations)
             self.startup_phases["packing_wait"] = time.perf_counter() - phase
             if args.model_impl == "jax":  # the JAX backend: its own runner, all else as is
                 self.runner = start_jax_runner(args, self.model_config, self.scheduler_config,
@@ -269,6 +274,7 @@ class LLMEngine:
             "dtype": str(self.model_config.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.cache_config.cache_dtype).removeprefix("torch."),
             "quantization": self.quantization,
+            "packed_activations": self.args.packed_activations,
             "kernel_backend": self.kernel_backend,
             "linear_backend": getattr(self.model, "linear_backend", None),
             "device": str(self.device),

@@ -36,7 +36,10 @@ exactly: the activations carry 16 bits, as the int8 weights' GEMMs (``int8_gemm`
 them, for twice the byte products of 8-bit ones (llama.cpp's Q8 activations). Eight bits
 alone moved SmolLM2's logprobs by up to 0.3 a token and turned near-ties: its answer to
 "What is the capital of France?" began with "L'" where float32's begins with "The"
-(-1.99 against -2.06, float32: -1.97 against -1.88).
+(-1.99 against -2.06, float32: -1.97 against -1.88). So 8 bits are a choice
+(``--packed-activations int8``, ``packed.set_x_bits``): ``quantize_rows(..., eight)``
+rounds a block to h = rint(x * 127 / amax) in the high bytes with low bytes 0 (q = 255
+h, the same layout), and the products skip the low bytes.
 
 Which instructions is decided when numba compiles (the features it compiles for:
 ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, else the host's); numba's cache keeps
@@ -78,11 +81,14 @@ def x_row_bytes(k):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def quantize_rows(x, out):
+def quantize_rows(x, out, eight):
     """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
     uint8: row b's K high bytes, K low bytes (int8), K / 32 float32 pairs (d, d * sum
     of the block's integers), K / 16 int32 sums of its integers over 16 columns and its
-    K integers (int16). A block of zeros is integers 0 with d = 0."""
+    K integers (int16). A block of zeros is integers 0 with d = 0. With ``eight`` each
+    value is rounded to 8 bits, h = rint(x * 127 / amax), held as q = 255 h: its low
+    bytes are 0, so the products may skip them (``packed``'s ``--packed-activations
+    int8``)."""
     k = x.shape[1]
     blocks = k // BLOCK
     at = words_offset(k)
@@ -98,9 +104,14 @@ def quantize_rows(x, out):
             amax = np.float32(0.0)
             for i in range(BLOCK):
                 amax = max(amax, abs(x[b, first + i]))
-            inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
-            for i in range(BLOCK):
-                q[i] = np.rint(x[b, first + i] * inv)
+            if eight:
+                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+                for i in range(BLOCK):
+                    q[i] = np.float32(255.0) * np.rint(x[b, first + i] * inv)
+            else:
+                inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
+                for i in range(BLOCK):
+                    q[i] = np.rint(x[b, first + i] * inv)
             # Sums of integers under 2^24: exact in float32, in any order.
             head, tail = np.float32(0.0), np.float32(0.0)
             for i in range(16):
@@ -121,21 +132,21 @@ def quantize_rows(x, out):
 
 
 @numba.njit(cache=True)
-def rounded_rows(x):
+def rounded_rows(x, eight):
     """``quantize_rows`` of x into a new buffer [B, x_row_bytes(K)]."""
     out = np.empty((x.shape[0], x_row_bytes(x.shape[1])), np.uint8)
-    quantize_rows(x, out)
+    quantize_rows(x, out, eight)
     return out
 
 
 @numba.njit(parallel=True, cache=True)
-def rounded_rows_parallel(x, parts):
+def rounded_rows_parallel(x, parts, eight):
     """``rounded_rows`` for many rows, ``parts`` shares of them side by side."""
     m = x.shape[0]
     out = np.empty((m, x_row_bytes(x.shape[1])), np.uint8)
     for part in numba.prange(parts):
         lo, hi = m * part // parts, m * (part + 1) // parts
-        quantize_rows(x[lo:hi], out[lo:hi])
+        quantize_rows(x[lo:hi], out[lo:hi], eight)
     return out
 
 

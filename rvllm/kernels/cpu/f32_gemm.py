@@ -25,7 +25,7 @@ from numba import prange
 from rvllm.kernels.cpu import numba_cache  # noqa: F401 - stamps the cache
 from rvllm.kernels.cpu.byte_dots import rounded_rows_parallel
 from rvllm.kernels.cpu.gemv import _EMPTY, PANEL, Panels, _matvec
-from rvllm.kernels.cpu.packed import PASS_ROWS, packed_dots
+from rvllm.kernels.cpu.packed import PASS_ROWS, eight_bit_x, packed_dots
 from rvllm.kernels.cpu.threads import match_torch_threads
 from rvllm.kernels.cpu.vectors import ROWS, rows_times_tile
 
@@ -95,7 +95,7 @@ def packed_matmul_into(x, w, out, threads):
     m, k = x.shape
     panels = w.shape[0]
     chunk = max(ROWS, _CHUNK_BYTES // (4 * k) // ROWS * ROWS)
-    xq = rounded_rows_parallel(x, threads)
+    xq = rounded_rows_parallel(x, threads, eight_bit_x(w))
     for t in prange(threads):
         lo, hi = panels * t // threads, panels * (t + 1) // threads
         sums = np.empty((PASS_ROWS, PANEL), np.float32)

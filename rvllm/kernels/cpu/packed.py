@@ -29,7 +29,9 @@ block of 16 or 32 columns (Q4_0: d, 8 d; Q4_1: d, -m; Q8_0: d, 0; Q4_K/Q5_K: d s
 dmin m; Q6_K: d sc, 32 d sc).
 
 **Arithmetic.** Every format multiplies x rounded to 16-bit integers per block of 32,
-held as two bytes (``byte_dots``), bytes by bytes: ``_int_dots`` takes 1-4 rows of x a
+held as two bytes (``byte_dots``), or, where the panels' headers say so (``set_x_bits``,
+``--packed-activations int8``), to 8-bit ones in the high bytes alone, whose products
+skip the low bytes: half the byte products, at 8 bits' precision. Bytes by bytes: ``_int_dots`` takes 1-4 rows of x a
 pass over the panel for any number of rows, and gives each row the same number whatever
 the batch. Q8_0 panels are stored in pairs of columns (``_pair_groups``, panel code
 ``Q8_0_PAIRS``): a pair widened to int16 is one ``vpmaddwd`` (``byte_dots.dot_words``)
@@ -116,6 +118,9 @@ PANEL = LANES
 # where the weight's second and third runs of panels begin (panel index, panels' bytes /
 # 16 in that run; the first panel's are read, ``panel_address``).
 HEADER = 64
+# The header field that says how x is rounded for the panel: 0 to 16 bits, 8 to 8 bits
+# (``set_x_bits``; ``byte_dots.quantize_rows``).
+X_BITS = 7
 PASS_ROWS = 4  # rows of x a pass over a panel multiplies (``_int_dots1`` .. ``_int_dots4``)
 
 # GGML type codes (``models.ggml_types.GGMLType``) of the formats kept packed.
@@ -251,13 +256,19 @@ def int4_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Quant
     return QuantizedRows(Q4_1, blocks.reshape(n, -1).numpy(), k)
 
 
-def panel_formats(weight: np.ndarray) -> set[int]:
-    """The GGML type codes of a packed weight's panels, from their headers."""
+def _headers(weight: np.ndarray) -> list[np.ndarray]:
+    """Each panel's header of a packed weight, int64 [8] views of its memory (panels of
+    a longer run lie past the array's shape: ``pack_rows``)."""
     runs = panel_runs(weight)
     memory = np.frombuffer((ctypes.c_uint8 * packed_bytes(weight)).from_address(
         weight.ctypes.data), np.uint8)
-    return {int(memory[o:o + 8].view(np.int64)[0]) & ~PAIRS
-            for o in (panel_offset(runs, p) for p in range(weight.shape[0]))}
+    return [memory[o:o + HEADER].view(np.int64)
+            for o in (panel_offset(runs, p) for p in range(weight.shape[0]))]
+
+
+def panel_formats(weight: np.ndarray) -> set[int]:
+    """The GGML type codes of a packed weight's panels, from their headers."""
+    return {int(head[0]) & ~PAIRS for head in _headers(weight)}
 
 
 def packable(fmt: int, cols: int) -> bool:
@@ -325,6 +336,17 @@ def pack_rows(parts: list[QuantizedRows], rows: int, pairs: bool = True) -> Pane
         first += count
     out = memory[:total * shortest].reshape(total, shortest // PANEL, PANEL)
     return Panels(out, np.empty(0, np.float32), rows)
+
+
+def set_x_bits(weight: np.ndarray, bits: int) -> None:
+    """Have the packed weight's products take x rounded to ``bits`` (16 or 8) per block
+    of 32: a field of every panel's header (``X_BITS``), read by ``rounded_x`` and the
+    kernels. Eight bits skip half the byte products (x's low bytes) at a loss of
+    precision: llama.cpp's activations, per block of 32."""
+    if bits not in (8, 16):
+        raise ValueError(f"packed weights take x rounded to 16 or 8 bits, not {bits}")
+    for head in _headers(weight):
+        head[X_BITS] = 8 if bits == 8 else 0
 
 
 # --- the formats' walks over a block, in LLVM IR ---------------------------------------
@@ -500,9 +522,11 @@ def _loops(builder: ir.IRBuilder, fmt: int, blk: ir.Value) -> list[_Loop]:
 
 
 def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
-                     body: Callable[[int, ir.Value, ir.Value, ir.Value], None]) -> None:
+                     body: Callable[..., None], eights: bool = False) -> None:
     """Run ``body(fmt, first block's address, block count, panel bytes)`` for the format
-    the panel's header names (a switch over the formats; any other code does nothing)."""
+    the panel's header names (a switch over the formats; any other code does nothing).
+    With ``eights``, ``body(..., eight)`` twice, for x of 16 bits and of 8 (``X_BITS``),
+    with a branch on the header between them (Q8_0 in pairs: once, with 16)."""
     fmt = builder.load(builder.inttoptr(panel, _I64.as_pointer()), align=8)
     cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()), align=8)
     stride16 = builder.load(builder.inttoptr(_at(builder, panel, 16), _I64.as_pointer()),
@@ -515,7 +539,19 @@ def _for_each_format(builder: ir.IRBuilder, panel: ir.Value,
         case = builder.append_basic_block(f"packed.{code}")
         switch.add_case(ir.Constant(_I64, code), case)
         builder.position_at_end(case)
-        body(code, data, builder.sdiv(cols, _int(BLOCK_COLS[code & ~PAIRS])), stride)
+        blocks = builder.sdiv(cols, _int(BLOCK_COLS[code & ~PAIRS]))
+        if not eights:
+            body(code, data, blocks, stride)
+        elif code == Q8_0_PAIRS:  # x's int16 words: the same products for either
+            body(code, data, blocks, stride, False)
+        else:
+            bits = builder.load(builder.inttoptr(_at(builder, panel, 8 * X_BITS),
+                                                 _I64.as_pointer()), align=8)
+            with builder.if_else(builder.icmp_signed("==", bits, _int(8))) as (eight, wide):
+                with eight:
+                    body(code, data, blocks, stride, True)
+                with wide:
+                    body(code, data, blocks, stride, False)
         builder.branch(end)
     builder.position_at_end(end)
 
@@ -589,7 +625,7 @@ def _int_dots(rows: int):
             zero = ir.Constant(_VEC, [0.0] * LANES)
             mask = ir.Constant(V32, [0x0F0F0F0F] * LANES)
             four = ir.Constant(V32, [4] * LANES)
-            eight = ir.Constant(V32, [8] * LANES)
+            eight_bits = ir.Constant(V32, [8] * LANES)
             ones = ir.Constant(V32, [0x01010101] * LANES)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
             cols = builder.load(builder.inttoptr(_at(builder, panel, 8), _I64.as_pointer()),
@@ -612,25 +648,28 @@ def _int_dots(rows: int):
                 return dots
 
             def add_block(b: int, xblock: ir.Value, dots: Callable[[list[ir.Value]], ir.Value],
-                          d: ir.Value, offset: ir.Value | None,
+                          d: ir.Value, offset: ir.Value | None, eight: bool,
                           part: ir.Value | None = None) -> None:
                 """Row b's products with x's block ``xblock`` of 32 columns, added:
-                ``dots(x's 8 words)`` for its high bytes and its low ones, then d * dx *
-                (255 high + low) + offset * (dx * sum q). With ``part`` (i64 0 or 1), only
-                that half of the block's columns: ``dots`` of its 4 words, and the
-                weights' offset of 32 (Q6_K's q - 32) taken off in the integers."""
+                ``dots(x's 8 words)`` for its high bytes and its low ones (none with
+                ``eight``: x of 8 bits), then d * dx * (255 high + low) + offset * (dx *
+                sum q). With ``part`` (i64 0 or 1), only that half of the block's
+                columns: ``dots`` of its 4 words, and the weights' offset of 32 (Q6_K's q
+                - 32) taken off in the integers."""
                 row = builder.add(xq, builder.mul(_int(b), xq_step))
                 first = builder.mul(xblock, _int(32))
                 if part is not None:
                     first = builder.add(first, builder.mul(part, _int(16)))
                 chains = []
-                for half in range(2):  # the high bytes, then the low ones
+                for half in range(1 if eight else 2):  # the high bytes, then the low ones
                     qs = builder.add(builder.add(row, builder.mul(cols, _int(half))), first)
                     chains.append(dots([builder.load(builder.inttoptr(
                         _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
                         for c in range(8 if part is None else 4)]))  # x's bytes 4c..4c+3
-                high, low = chains
-                total = builder.add(builder.sub(builder.shl(high, eight), high), low)
+                high = chains[0]
+                total = builder.sub(builder.shl(high, eight_bits), high)
+                if not eight:
+                    total = builder.add(total, chains[1])
                 if part is not None:  # the int32 sums over 16 columns, after the pairs
                     at = builder.add(row, _x_sixteen(builder, cols, xblock, part))
                     sixteen = builder.load(builder.inttoptr(at, _I32.as_pointer()), align=4)
@@ -654,7 +693,7 @@ def _int_dots(rows: int):
                 builder.store(value, acc[b])
 
             def six_bit_blocks(index: ir.Value, blk: ir.Value, d: ir.Value,
-                               ask: Callable[[ir.Value], None]) -> None:
+                               ask: Callable[[ir.Value], None], eight: bool) -> None:
                 """A Q6_K block: 16 sub-blocks of 16 columns, each q - 32 times d and its
                 signed 8-bit scale. Its 128 columns h are four quarters of 32 t, whose
                 low 4 bits are the low (t = 0, 1) or high (t = 2, 3) nibbles of bytes
@@ -685,7 +724,8 @@ def _int_dots(rows: int):
                         xblock = builder.add(builder.mul(index, _int(8)),
                                              _at(builder, builder.mul(h, _int(4)), t))
                         for r in range(rows):
-                            add_block(r, xblock, nibble_dots(quarter, 63), scale, None, part)
+                            add_block(r, xblock, nibble_dots(quarter, 63), scale, None, eight,
+                                      part)
 
             def nibbles_of(base: ir.Value, count: int, halves: tuple[int, ...] = (0, 1)
                            ) -> list[ir.Value]:
@@ -695,7 +735,8 @@ def _int_dots(rows: int):
                 return [builder.and_(v if h == 0 else builder.lshr(v, four), mask)
                         for h in halves for v in packed]
 
-            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
+            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value,
+                     eight: bool) -> None:
                 for a in acc:
                     builder.store(zero, a)
                 with cgutils.for_range(builder, blocks) as block:
@@ -714,7 +755,7 @@ def _int_dots(rows: int):
                             _ask_share(builder, ahead, step, 4, size)
                     d = _halves(builder, blk)
                     if fmt == Q6_K:
-                        six_bit_blocks(block.index, blk, d, ask)
+                        six_bit_blocks(block.index, blk, d, ask, eight)
                         return
                     if fmt in (Q4_K, Q5_K):  # 8 sub-blocks of 32 columns, 6-bit scale/min
                         dmin = _halves(builder, _at(builder, blk, 32))
@@ -740,7 +781,7 @@ def _int_dots(rows: int):
                                 xblock = builder.add(builder.mul(block.index, _int(8)), s)
                                 dots = nibble_dots(nibbles, 31 if fmt == Q5_K else 15)
                                 for b in range(rows):
-                                    add_block(b, xblock, dots, scale, offset)
+                                    add_block(b, xblock, dots, scale, offset, eight)
                         return
                     if fmt == Q8_0_PAIRS:
                         # Each pair of columns widened to int16 once for every row, then
@@ -778,9 +819,9 @@ def _int_dots(rows: int):
                         # Low nibbles by x's bytes 4g.., high ones by 16 + 4g..
                         dots = nibble_dots(nibbles_of(nib, 4))
                     for b in range(rows):
-                        add_block(b, block.index, dots, d, offset)
+                        add_block(b, block.index, dots, d, offset, eight)
 
-            _for_each_format(builder, panel, walk)
+            _for_each_format(builder, panel, walk, eights=True)
             _store_rows(builder, acc, out)
             return context.get_dummy_value()
 
@@ -866,18 +907,19 @@ def _narrow_dots(rows: int):
                     value = fma(offset, splat(sx, _NF), value)
                 return value
 
-            def byte_totals(weights: list[ir.Value], first: ir.Value, fits: int
+            def byte_totals(weights: list[ir.Value], first: ir.Value, fits: int, eight: bool
                             ) -> list[ir.Value]:
-                """Per row: 255 (w . h) + (w . l) for x's high bytes h and low ones l,
-                weights[c] (4-bit or 6-bit, unsigned) by x's word c at ``first`` + 4c:
-                each group taken by every row as it comes, ``fits`` 16-bit sums of
-                ``vpmaddubsw`` before a ``vpmaddwd`` widens them."""
+                """Per row: 255 (w . h) + (w . l) for x's high bytes h and low ones l
+                (255 (w . h) with ``eight``), weights[c] (4-bit or 6-bit, unsigned) by x's
+                word c at ``first`` + 4c: each group taken by every row as it comes,
+                ``fits`` 16-bit sums of ``vpmaddubsw`` before a ``vpmaddwd`` widens them."""
+                parts = 1 if eight else 2
                 short = [[None, None] for _ in range(rows)]
                 wide = [[None, None] for _ in range(rows)]
                 for c, weights_c in enumerate(weights):
                     w = builder.bitcast(weights_c, _NB)
                     for b in range(rows):
-                        for part in range(2):  # x's high bytes, then its low ones
+                        for part in range(parts):  # x's high bytes, then its low ones
                             at = builder.add(builder.add(row_at[b], builder.mul(
                                 cols, _int(part))), _at(builder, first, 4 * c))
                             x = builder.bitcast(splat(word(at), _N32), _NB)
@@ -888,15 +930,16 @@ def _narrow_dots(rows: int):
                     if (c + 1) % fits and c + 1 < len(weights):
                         continue
                     for b in range(rows):
-                        for part in range(2):
+                        for part in range(parts):
                             widened = _call(builder, "llvm.x86.avx2.pmadd.wd", _N32,
                                             [short[b][part], ones16])
                             last = wide[b][part]
                             wide[b][part] = widened if last is None else builder.add(
                                 last, widened)
                             short[b][part] = None
-                eight = ir.Constant(_N32, [8] * HALF)
-                return [builder.add(builder.sub(builder.shl(high, eight), high), low)
+                bits = ir.Constant(_N32, [8] * HALF)
+                return [builder.sub(builder.shl(high, bits), high) if eight else
+                        builder.add(builder.sub(builder.shl(high, bits), high), low)
                         for high, low in wide]
 
             def nibbles(raw: ir.Value, high: int) -> ir.Value:
@@ -914,7 +957,8 @@ def _narrow_dots(rows: int):
             def negative_zero() -> ir.Constant:
                 return ir.Constant(_NF, [-0.0] * HALF)
 
-            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value) -> None:
+            def walk(fmt: int, data: ir.Value, blocks: ir.Value, stride: ir.Value,
+                     eight: bool) -> None:
                 if fmt not in NARROW_FORMATS:
                     return
                 size = PANEL_BLOCK_BYTES[fmt & ~PAIRS]
@@ -959,7 +1003,8 @@ def _narrow_dots(rows: int):
                             # x's words 0-3 by the low nibbles, 4-7 by the high ones
                             weights = [nibbles(v, 0) for v in raw] + [nibbles(v, 1) for v in raw]
                             add_all(block.index, byte_totals(
-                                weights, builder.mul(block.index, _int(32)), 8), d, offset)
+                                weights, builder.mul(block.index, _int(32)), 8, eight), d,
+                                offset)
                         elif fmt == Q4_K:  # 8 sub-blocks of 32 columns, 6-bit scale/min
                             dmin = halves8(_at(builder, blk, 32 + 16 * half))
                             with cgutils.for_range(builder, _int(4)) as step:  # 64 columns
@@ -979,7 +1024,7 @@ def _narrow_dots(rows: int):
                                     xblock = builder.add(builder.mul(block.index, _int(8)), s)
                                     add_all(xblock, byte_totals(
                                         [nibbles(v, high) for v in raw],
-                                        builder.mul(xblock, _int(32)), 8), scale, offset)
+                                        builder.mul(xblock, _int(32)), 8, eight), scale, offset)
                         else:  # Q6_K: see ``_int_dots``'s six_bit_blocks
                             ql, qh = _at(builder, blk, 288), _at(builder, blk, 2336)
                             m30 = ir.Constant(_N32, [0x30303030] * HALF)
@@ -1010,7 +1055,7 @@ def _narrow_dots(rows: int):
                                                          _at(builder, builder.mul(h, _int(4)), t))
                                     first = builder.add(builder.mul(xblock, _int(32)),
                                                         builder.mul(part, _int(16)))
-                                    totals = byte_totals(quarter, first, 2)
+                                    totals = byte_totals(quarter, first, 2, eight)
                                     # the offset of 32: x's integer sums over 16 columns
                                     at = _x_sixteen(builder, cols, xblock, part)
                                     for b in range(rows):
@@ -1024,7 +1069,7 @@ def _narrow_dots(rows: int):
                         builder.store(builder.load(acc[b]),
                                       builder.inttoptr(at, _NF.as_pointer()), align=4)
 
-            _for_each_format(builder, panel, walk)
+            _for_each_format(builder, panel, walk, eights=True)
             return context.get_dummy_value()
 
         return types.void(*(types.int64,) * 4), codegen
@@ -1119,8 +1164,14 @@ def rounded_x(x, w):
     """x's rows rounded to integers (``byte_dots.rounded_rows``) where w is packed, to be
     passed to ``packed_dots`` beside x; else an empty array."""
     if is_packed(w):
-        return rounded_rows(x)
+        return rounded_rows(x, eight_bit_x(w))
     return np.empty((0, 0), np.uint8)
+
+
+@numba.njit(cache=True, inline="always")
+def eight_bit_x(w):
+    """Whether the packed weight w takes x rounded to 8 bits (``X_BITS``)."""
+    return _header(w.ctypes.data, X_BITS) == 8
 
 
 @numba.njit(cache=True, inline="always")
