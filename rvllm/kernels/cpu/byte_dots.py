@@ -38,8 +38,8 @@ alone moved SmolLM2's logprobs by up to 0.3 a token and turned near-ties: its an
 "What is the capital of France?" began with "L'" where float32's begins with "The"
 (-1.99 against -2.06, float32: -1.97 against -1.88). So 8 bits are a choice
 (``--packed-activations int8``, ``packed.set_x_bits``): ``quantize_rows(..., eight)``
-rounds a block to h = rint(x * 127 / amax) in the high bytes with low bytes 0 (q = 255
-h, the same layout), and the products skip the low bytes.
+rounds a block to q = rint(x * 127 / amax) and stores q as the high bytes, with low
+bytes 0 (the same layout), and the products take w . q from the high bytes alone.
 
 Which instructions is decided when numba compiles (the features it compiles for:
 ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, else the host's); numba's cache keeps
@@ -85,10 +85,10 @@ def quantize_rows(x, out, eight):
     """Rows of x [B, K] (float32) rounded per block of 32 into out [B, >= x_row_bytes(K)]
     uint8: row b's K high bytes, K low bytes (int8), K / 32 float32 pairs (d, d * sum
     of the block's integers), K / 16 int32 sums of its integers over 16 columns and its
-    K integers (int16). A block of zeros is integers 0 with d = 0. With ``eight`` each
-    value is rounded to 8 bits, h = rint(x * 127 / amax), held as q = 255 h: its low
-    bytes are 0, so the products may skip them (``packed``'s ``--packed-activations
-    int8``)."""
+    K integers (int16). A block of zeros is integers 0 with d = 0. With ``eight`` the
+    integers are rounded to 8 bits instead, q = rint(x * 127 / amax) with d = amax / 127,
+    and are the high bytes themselves: the low bytes are 0, and the products take the
+    high bytes' alone for w . q (``packed``'s ``--packed-activations int8``)."""
     k = x.shape[1]
     blocks = k // BLOCK
     at = words_offset(k)
@@ -104,29 +104,31 @@ def quantize_rows(x, out, eight):
             amax = np.float32(0.0)
             for i in range(BLOCK):
                 amax = max(amax, abs(x[b, first + i]))
-            if eight:
-                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-                for i in range(BLOCK):
-                    q[i] = np.float32(255.0) * np.rint(x[b, first + i] * inv)
-            else:
-                inv = np.float32(SCALE) / amax if amax > 0 else np.float32(0.0)
-                for i in range(BLOCK):
-                    q[i] = np.rint(x[b, first + i] * inv)
+            top = np.float32(127.0) if eight else np.float32(SCALE)
+            inv = top / amax if amax > 0 else np.float32(0.0)
+            for i in range(BLOCK):
+                q[i] = np.rint(x[b, first + i] * inv)
             # Sums of integers under 2^24: exact in float32, in any order.
             head, tail = np.float32(0.0), np.float32(0.0)
             for i in range(16):
                 head += q[i]
                 tail += q[16 + i]
-            # In float32, where it vectorizes: q / 255 lies at least 0.002 from a tie,
-            # so its rounding h leaves |q - 255 h| <= 127.
-            for i in range(BLOCK):
-                h = np.rint(q[i] * np.float32(1.0 / 255.0))
-                high[first + i] = np.int8(h)
-                low[first + i] = np.int8(q[i] - np.float32(255.0) * h)
-                ints[first + i] = np.int16(q[i])
+            if eight:  # the integers themselves are the high bytes
+                for i in range(BLOCK):
+                    high[first + i] = np.int8(q[i])
+                    low[first + i] = 0
+                    ints[first + i] = np.int16(q[i])
+            else:
+                # In float32, where it vectorizes: q / 255 lies at least 0.002 from a
+                # tie, so its rounding h leaves |q - 255 h| <= 127.
+                for i in range(BLOCK):
+                    h = np.rint(q[i] * np.float32(1.0 / 255.0))
+                    high[first + i] = np.int8(h)
+                    low[first + i] = np.int8(q[i] - np.float32(255.0) * h)
+                    ints[first + i] = np.int16(q[i])
             sixteens[2 * j] = np.int32(head)
             sixteens[2 * j + 1] = np.int32(tail)
-            d = amax / np.float32(SCALE)
+            d = amax / top
             pairs[2 * j] = d
             pairs[2 * j + 1] = d * (head + tail)
 

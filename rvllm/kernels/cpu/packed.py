@@ -30,27 +30,27 @@ dmin m; Q6_K: d sc, 32 d sc).
 
 **Arithmetic.** Every format multiplies x rounded to 16-bit integers per block of 32,
 held as two bytes (``byte_dots``), or, where the panels' headers say so (``set_x_bits``,
-``--packed-activations int8``), to 8-bit ones in the high bytes alone, whose products
-skip the low bytes: half the byte products, at 8 bits' precision. Bytes by bytes: ``_int_dots`` takes 1-4 rows of x a
-pass over the panel for any number of rows, and gives each row the same number whatever
-the batch. Q8_0 panels are stored in pairs of columns (``_pair_groups``, panel code
-``Q8_0_PAIRS``): a pair widened to int16 is one ``vpmaddwd`` (``byte_dots.dot_words``)
-by x's int16 pair, where its signed bytes by x's two bytes (``byte_dots.dot_signed``,
-still read for the plain layout) took two signed byte products and their sign fixes.
-On a 2-vCPU AMD EPYC (Zen 4, AVX-512 VNNI), one thread, from the cache, G multiply-
-adds/s at 1, 4 and 32 rows: 30, 35 and 39 plain, 47, 75 and 79 in pairs. A Q4_K or Q5_K
-block is eight sub-blocks of 32, each with its own scale and minimum, so it adds eight
-such block products (Q5_K's fifth bits are put on the nibbles in registers); a Q6_K
-block is sixteen sub-blocks of 16 columns with a signed scale, whose unsigned 6-bit q
-have their offset of 32 taken off with x's integer sums over 16 columns, in the
-integers. The result is the float32 product of the dequantized weight with that rounded
-x (tested within 1e-5 of a float64 product), about 2e-5 of the largest output off the
-product with x itself on random data. Widening these weights to float32 instead kept a
-thread at about 20 G weights/s of Q4_1 from the cache on a 2-vCPU Xeon with AVX-512
-VNNI, below its memory's read, and each more row of x cost nearly as much again; the
-byte products run one row at about 50 G weights/s from the cache and four rows at about
-20 each, so that from memory one thread read SmolLM2-shaped Q4_1 panels at 22 G
-weights/s for one row and 18.5 for four (widened: 16 and 11.5).
+``--packed-activations int8``), to 8-bit ones held as the high bytes, whose products
+skip the low bytes: half the byte products, at 8 bits' precision. Bytes by bytes:
+``_int_dots`` takes 1-4 rows of x a pass over the panel for any number of rows, and
+gives each row the same number whatever the batch. Q8_0 panels are stored in pairs of
+columns (``_pair_groups``, panel code ``Q8_0_PAIRS``): a pair widened to int16 is one
+``vpmaddwd`` (``byte_dots.dot_words``) by x's int16 pair, where its signed bytes by x's
+two bytes (``byte_dots.dot_signed``, still read for the plain layout) took two signed
+byte products and their sign fixes. On a 2-vCPU AMD EPYC (Zen 4, AVX-512 VNNI), one
+thread, from the cache, G multiply-adds/s at 1, 4 and 32 rows: 30, 35 and 39 plain, 47,
+75 and 79 in pairs. A Q4_K or Q5_K block is eight sub-blocks of 32, each with its own
+scale and minimum, so it adds eight such block products (Q5_K's fifth bits are put on
+the nibbles in registers); a Q6_K block is sixteen sub-blocks of 16 columns with a
+signed scale, whose unsigned 6-bit q have their offset of 32 taken off with x's integer
+sums over 16 columns, in the integers. The result is the float32 product of the
+dequantized weight with that rounded x (tested within 1e-5 of a float64 product), about
+2e-5 of the largest output off the product with x itself on random data. Widening these
+weights to float32 instead kept a thread at about 20 G weights/s of Q4_1 from the cache
+on a 2-vCPU Xeon with AVX-512 VNNI, below its memory's read, and each more row of x cost
+nearly as much again; the byte products run one row at about 50 G weights/s from the
+cache and four rows at about 20 each, so that from memory one thread read SmolLM2-shaped
+Q4_1 panels at 22 G weights/s for one row and 18.5 for four (widened: 16 and 11.5).
 
 **AVX2 without AVX-512.** AVX2 has 16 registers of 8 lanes, and the walks above, 16
 lanes wide, kept more vectors alive than that: a third of a four-row pass's instructions
@@ -651,11 +651,12 @@ def _int_dots(rows: int):
                           d: ir.Value, offset: ir.Value | None, eight: bool,
                           part: ir.Value | None = None) -> None:
                 """Row b's products with x's block ``xblock`` of 32 columns, added:
-                ``dots(x's 8 words)`` for its high bytes and its low ones (none with
-                ``eight``: x of 8 bits), then d * dx * (255 high + low) + offset * (dx *
-                sum q). With ``part`` (i64 0 or 1), only that half of the block's
-                columns: ``dots`` of its 4 words, and the weights' offset of 32 (Q6_K's q
-                - 32) taken off in the integers."""
+                ``dots(x's 8 words)`` for its high bytes and its low ones, then d * dx *
+                (255 high + low) + offset * (dx * sum q); with ``eight`` (x of 8 bits, its
+                integers the high bytes) the high bytes' alone, d * dx * high + ....
+                With ``part`` (i64 0 or 1), only that half of the block's columns: ``dots``
+                of its 4 words, and the weights' offset of 32 (Q6_K's q - 32) taken off in
+                the integers."""
                 row = builder.add(xq, builder.mul(_int(b), xq_step))
                 first = builder.mul(xblock, _int(32))
                 if part is not None:
@@ -666,10 +667,9 @@ def _int_dots(rows: int):
                     chains.append(dots([builder.load(builder.inttoptr(
                         _at(builder, qs, 4 * c), _I32.as_pointer()), align=1)
                         for c in range(8 if part is None else 4)]))  # x's bytes 4c..4c+3
-                high = chains[0]
-                total = builder.sub(builder.shl(high, eight_bits), high)
-                if not eight:
-                    total = builder.add(total, chains[1])
+                high = chains[0]  # x's integers themselves where they have 8 bits
+                total = high if eight else builder.add(
+                    builder.sub(builder.shl(high, eight_bits), high), chains[1])
                 if part is not None:  # the int32 sums over 16 columns, after the pairs
                     at = builder.add(row, _x_sixteen(builder, cols, xblock, part))
                     sixteen = builder.load(builder.inttoptr(at, _I32.as_pointer()), align=4)
@@ -938,7 +938,7 @@ def _narrow_dots(rows: int):
                                 last, widened)
                             short[b][part] = None
                 bits = ir.Constant(_N32, [8] * HALF)
-                return [builder.sub(builder.shl(high, bits), high) if eight else
+                return [high if eight else
                         builder.add(builder.sub(builder.shl(high, bits), high), low)
                         for high, low in wide]
 
