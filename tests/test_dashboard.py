@@ -401,6 +401,7 @@ def test_stats_agree_with_metrics_under_load(server):
     assert config["architecture"] == "LlamaForCausalLM" and config["dtype"] == "float32"
     assert config["kernel_backend"] == "numba" and config["device"] == "cpu"
     assert config["kv_cache_dtype"] == "float32" and config["threads"] >= 1
+    assert config["packed_activations"] is None  # no weight runs packed
 
 
 # ------------------------------------------------------------------ in a browser

@@ -434,6 +434,7 @@ def test_packed_activations_int8_match_float32_with_inputs_rounded_to_8_bits(
     assert all(eight_bit_x(m.panel_weight.weight)
                for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, llm.engine.model.lm_head))
     ref = LLM(str(mixed_llama), quantization="none", kernel_backend="torch")
+    assert ref.engine.settings()["packed_activations"] is None  # nothing runs packed
 
     def round_input(module, args):  # noqa: ANN001, ANN202
         x = args[0]

@@ -168,7 +168,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def print_result(result: dict[str, Any]) -> None:
     cfg = result["config"]
     weights = f", {result['quantization']} weights" if result.get("quantization") else ""
-    if result.get("packed_activations", "int16") != "int16":
+    if result.get("packed_activations") not in (None, "int16"):
         weights += f" by {result['packed_activations']} activations"
     print(f"{result['engine']} on {result['model']} ({result.get('dtype', '?')}{weights}), "
           f"input {cfg['input_len']} / output {cfg['output_len']} tokens, "

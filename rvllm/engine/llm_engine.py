@@ -274,7 +274,9 @@ class LLMEngine:
             "dtype": str(self.model_config.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.cache_config.cache_dtype).removeprefix("torch."),
             "quantization": self.quantization,
-            "packed_activations": self.args.packed_activations,
+            "packed_activations": (self.args.packed_activations if self.quantization
+                                   in PACKED_QUANTIZATIONS and self.args.model_impl != "jax"
+                                   else None),
             "kernel_backend": self.kernel_backend,
             "linear_backend": getattr(self.model, "linear_backend", None),
             "device": str(self.device),

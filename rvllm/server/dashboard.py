@@ -156,6 +156,9 @@ class EngineConfigStats(BaseModel):
     dtype: str | None = Field(description="As the engine resolved it (auto made concrete)")
     kv_cache_dtype: str | None
     quantization: str | None
+    packed_activations: str | None = Field(
+        None, description="What packed weights multiply (--packed-activations): int16 or "
+                          "int8; null when no weight runs packed")
     kernel_backend: str | None
     device: str | None
     block_size: int | None
@@ -504,6 +507,7 @@ class Dashboard:
             dtype=settings.get("dtype", getattr(args, "dtype", None)),
             kv_cache_dtype=settings.get("kv_cache_dtype", getattr(args, "kv_cache_dtype", None)),
             quantization=settings.get("quantization", getattr(args, "quantization", None)),
+            packed_activations=settings.get("packed_activations"),
             kernel_backend=settings.get("kernel_backend", getattr(args, "kernel_backend", None)),
             device=settings.get("device", getattr(args, "device", None)),
             block_size=getattr(args, "block_size", None),
