@@ -106,7 +106,7 @@ def test_packed_products_equal_float32_on_the_dequantized_weight(fmt, rows: int)
 def test_q8_0_s_two_layouts_hold_the_same_weights_and_products(pairs: bool) -> None:
     """Q8_0 is laid out in pairs of columns for ``vpmaddwd`` (the default), or in groups
     of 4 for ``vpdpbusd``; each layout works on every CPU, and gives the same numbers as
-    the other."""
+    the other, with x rounded to 16 bits and to 8."""
     n, k = 37, 160
     raw = random_rows(T.Q8_0, n, k, seed=4)
     panels = pk.pack_rows([pk.QuantizedRows(int(T.Q8_0), raw, k)], n, pairs=pairs)
@@ -122,6 +122,12 @@ def test_q8_0_s_two_layouts_hold_the_same_weights_and_products(pairs: bool) -> N
         assert (ours.double() - exact[:rows]).abs().max() <= 1e-5 * exact.abs().max()
         again = gemv(x[:1], other) if rows == 1 else panels_matmul(x[:rows], other)
         assert torch.equal(ours, again)
+    for w in (panels, other):  # and with x rounded to 8 bits
+        pk.set_x_bits(w.weight, 8)
+    exact = rounded(x, 8) @ torch.from_numpy(theirs).double().T
+    ours = panels_matmul(x, panels)
+    assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert torch.equal(ours, panels_matmul(x, other))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
