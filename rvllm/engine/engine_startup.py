@@ -156,16 +156,16 @@ def check_scheduler_steps(args: EngineArgs, kernel_backend: str) -> None:
             f"kernels with tensor_parallel_size={args.tensor_parallel_size}. Leave it at 1.")
 
 
-def check_packed_activations(args: EngineArgs, quantization: str | None) -> None:
+def check_packed_activations(args: EngineArgs, quantization: str | None,
+                             packed: bool) -> None:
     """``--packed-activations`` names what packed weights multiply: refused where the
-    model's weights do not run packed."""
-    from rvllm.layers.cpu_linear import PACKED_ACTIVATIONS, PACKED_QUANTIZATIONS
+    model's weights do not run packed (``packed`` false)."""
+    from rvllm.layers.cpu_linear import PACKED_ACTIVATIONS
 
     if args.packed_activations not in PACKED_ACTIVATIONS:
         raise ValueError(f"--packed-activations must be one of "
                          f"{', '.join(PACKED_ACTIVATIONS)}, got {args.packed_activations!r}")
-    if args.packed_activations != "int16" and (quantization not in PACKED_QUANTIZATIONS
-                                               or args.model_impl == "jax"):
+    if args.packed_activations != "int16" and not packed:
         raise ValueError(f"--packed-activations {args.packed_activations} is for weights "
                          "kept packed on the CPU (a quantized GGUF file, int4); this model "
                          f"runs with --quantization {quantization or 'none'}"

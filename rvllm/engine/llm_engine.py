@@ -118,16 +118,17 @@ class LLMEngine:
                                                  self.device, dtype,
                                                  args.tensor_parallel_size, args.load_format,
                                                  args.model_impl)
+        packed = self.quantization in PACKED_QUANTIZATIONS and args.model_impl != "jax"
+        # What packed weights multiply (--packed-activations); None where none run packed.
+        self.packed_activations = args.packed_activations if packed else None
         self.kernel_backend, warming = select_kernels(
             args.kernel_backend, self.device, dtype, kv_dtype,
             self.quantization == "int8" and args.model_impl != "jax",
-            args.num_scheduler_steps > 1,
-            self.quantization in PACKED_QUANTIZATIONS and args.model_impl != "jax",
-            self.quantization)
+            args.num_scheduler_steps > 1, packed, self.quantization)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
         check_async_scheduling(args)
-        check_packed_activations(args, self.quantization)
+        check_packed_activations(args, self.quantization, packed)
         if args.model_impl == "jax":  # before the weights load
             check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
@@ -177,8 +178,8 @@ class LLMEngine:
                                                 args.chat_template)
             phase = time.perf_counter()
             finish_linear_weights(self.model)  # before anything runs the model
-            if args.packed_activations != "int16":
-                set_packed_activations(self.model, args.packed_activations)
+            if self.packed_activations not in (None, "int16"):
+                set_packed_activations(self.model, self.packed_activations)
             self.startup_phases["packing_wait"] = time.perf_counter() - phase
             if args.model_impl == "jax":  # the JAX backend: its own runner, all else as is
                 self.runner = start_jax_runner(args, self.model_config, self.scheduler_config,
@@ -274,9 +275,7 @@ class LLMEngine:
             "dtype": str(self.model_config.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.cache_config.cache_dtype).removeprefix("torch."),
             "quantization": self.quantization,
-            "packed_activations": (self.args.packed_activations if self.quantization
-                                   in PACKED_QUANTIZATIONS and self.args.model_impl != "jax"
-                                   else None),
+            "packed_activations": self.packed_activations,
             "kernel_backend": self.kernel_backend,
             "linear_backend": getattr(self.model, "linear_backend", None),
             "device": str(self.device),

@@ -52,8 +52,8 @@ QUANTIZATIONS = ("int8", "fp16", "gguf", "int4", "awq", "gptq", "compressed-tens
 # "packed"): a GGUF file's blocks, an int4 checkpoint's groups, or int4 made at load.
 PACKED_QUANTIZATIONS = ("gguf", "int4", "awq", "gptq", "compressed-tensors")
 # What packed weights multiply (--packed-activations): x rounded per block of 32 to 16
-# bits or to 8 (``kernels.cpu.packed.set_x_bits``).
-PACKED_ACTIVATIONS = ("int16", "int8")
+# bits or to 8 (``kernels.cpu.packed.set_x_bits``), by name.
+PACKED_ACTIVATIONS = {"int16": 16, "int8": 8}
 # Steps of more rows than this pack a layer whose oneDNN reorder is pending (under load,
 # ``LLMEngine.step``, ``--kernel-backend torch`` only: the numba kernels need no oneDNN
 # copy); fewer leave it to idle time, so a short first request does not wait for it.
@@ -403,10 +403,9 @@ def set_packed_activations(model: nn.Module, activations: str) -> None:
     (``PACKED_ACTIVATIONS``: int16 or int8) per block of 32."""
     from rvllm.kernels.cpu.packed import set_x_bits
 
-    bits = {"int16": 16, "int8": 8}[activations]
     for m in model.modules():
         if getattr(m, "linear_kind", None) == "packed":
-            set_x_bits(m.panel_weight.weight, bits)
+            set_x_bits(m.panel_weight.weight, PACKED_ACTIVATIONS[activations])
 
 
 def _int4_panels(weight: torch.Tensor):  # noqa: ANN202 - kernels.cpu.panels.Panels | None

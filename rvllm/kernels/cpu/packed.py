@@ -910,9 +910,10 @@ def _narrow_dots(rows: int):
             def byte_totals(weights: list[ir.Value], first: ir.Value, fits: int, eight: bool
                             ) -> list[ir.Value]:
                 """Per row: 255 (w . h) + (w . l) for x's high bytes h and low ones l
-                (255 (w . h) with ``eight``), weights[c] (4-bit or 6-bit, unsigned) by x's
-                word c at ``first`` + 4c: each group taken by every row as it comes,
-                ``fits`` 16-bit sums of ``vpmaddubsw`` before a ``vpmaddwd`` widens them."""
+                (w . h with ``eight``: x's 8-bit integers are its high bytes), weights[c]
+                (4-bit or 6-bit, unsigned) by x's word c at ``first`` + 4c: each group taken
+                by every row as it comes, ``fits`` 16-bit sums of ``vpmaddubsw`` before a
+                ``vpmaddwd`` widens them."""
                 parts = 1 if eight else 2
                 short = [[None, None] for _ in range(rows)]
                 wide = [[None, None] for _ in range(rows)]
