@@ -3,10 +3,12 @@
     python benchmarks/bench_kernels.py --out results.json            # CUDA, bf16
     TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --quick    # tiny shapes, a CPU smoke run
 
-Besides the reference, attention is timed against the torch paths the engine
-could take instead: the batched gather + SDPA of layers/attention.py for
-decode, and PyTorch's causal SDPA (flash on GPU) per sequence for prefill
-without a cached prefix. Also reports each kernel's max error against the
+The fused decode GEMVs (``--fused-decode-gemv``) are timed against the separate kernels
+they replace (the norm or SiLU * mul kernel, then cuBLAS), with the weight's read in
+GB/s, and beside cuBLAS and the plain Triton GEMV alone. Besides the reference,
+attention is timed against the torch paths the engine could take instead: the batched
+gather + SDPA of layers/attention.py for decode, and PyTorch's causal SDPA (flash on GPU)
+per sequence for prefill without a cached prefix. Also reports each kernel's max error against the
 reference at these shapes, and how long the start-up self-check takes.
 """
 
@@ -33,6 +35,7 @@ from rvllm.kernels.triton.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
 )
+from rvllm.kernels.triton.fused_gemv import gemv, norm_gemv, silu_mul_gemv  # noqa: E402
 from rvllm.kernels.triton.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
 from rvllm.kernels.triton.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
@@ -58,12 +61,13 @@ class Shapes:
     batches: tuple[int, ...] = (1, 32, 128)
     decode: tuple[tuple[int, int], ...] = ((1, 512), (1, 8192), (32, 1024), (128, 1024))
     prefill: tuple[tuple[int, int, int], ...] = ((1, 2048, 0), (8, 512, 0), (4, 256, 1024))
+    gemv_rows: tuple[int, ...] = (1, 4)
     iters: int = 20
 
 
 QUICK = Shapes(hidden=64, intermediate=96, vocab=1000, num_heads=4, num_kv_heads=2,
                head_dim=32, tokens=(1, 8), batches=(1, 8), decode=((2, 40),),
-               prefill=((2, 20, 0), (2, 8, 12)), iters=2)
+               prefill=((2, 20, 0), (2, 8, 12)), gemv_rows=(1, 3), iters=2)
 
 
 def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -148,6 +152,8 @@ class Bench:
             x = self.randn(t, 2 * sh.intermediate)
             self.record("silu_and_mul", f"T={t} I={sh.intermediate}", {
                 "triton": partial(silu_and_mul, x), "ref": partial(silu_and_mul_ref, x)})
+        for t in sh.gemv_rows:
+            self.fused_gemvs(t)
         for t in sh.tokens:
             self.rotary(t)
         for b in sh.batches:
@@ -160,6 +166,34 @@ class Bench:
         for n, q_len, ctx in sh.prefill:
             self.prefill(n, q_len, ctx)
         return self.rows
+
+    def fused_gemvs(self, t: int) -> None:
+        """A decoder layer's three fused GEMVs: norm into QKV and into gate/up, SiLU * mul
+        into down; each against the separate kernels, cuBLAS and the plain Triton GEMV."""
+        sh = self.sh
+        hidden, inter = sh.hidden, sh.intermediate
+        qkv = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
+        x, res, norm_w = self.randn(t, hidden), self.randn(t, hidden), self.randn(hidden)
+        act = self.randn(t, 2 * inter)
+        for name, n, k in (("qkv", qkv, hidden), ("gate_up", 2 * inter, hidden),
+                           ("down", hidden, inter)):
+            weight = self.randn(n, k) / math.sqrt(k)
+            if name == "down":
+                fns = {"triton": partial(silu_mul_gemv, act, weight),
+                       "ref": lambda w=weight: F.linear(silu_and_mul(act), w)}
+                plain = act[:, :inter].contiguous()
+            else:
+                fns = {"triton": lambda w=weight: norm_gemv(x, res, norm_w, 1e-6, w)[0],
+                       "ref": lambda w=weight: F.linear(
+                           fused_add_rms_norm(x, res, norm_w, 1e-6)[0], w)}
+                plain = x
+            fns["cublas_only"] = partial(F.linear, plain, weight)
+            fns["triton_gemv_only"] = partial(gemv, plain, weight)
+            self.record(f"fused_gemv_{name}", f"T={t} N={n} K={k}", fns)
+            row = self.rows[-1]
+            for key in ("triton", "ref", "cublas_only", "triton_gemv_only"):
+                # The weight's bytes over the time: the bandwidth each path reads it at.
+                row[f"{key}_weight_gbps"] = round(weight.nbytes / row[f"{key}_ms"] / 1e6, 1)
 
     def rotary(self, t: int) -> None:
         sh, dev = self.sh, self.dev

@@ -68,6 +68,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "torch")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every decode step eagerly")
+    g.add_argument("--fused-decode-gemv", action="store_true",
+                   help="steps of up to 4 tokens fold each RMSNorm and SiLU*mul into the "
+                        "projection after it, as Triton GEMVs (Llama-shaped models, "
+                        "--kernel-backend triton; off by default)")
     g.add_argument("--cuda-graph-sizes", nargs="+", default=None,
                    help="decode batch sizes to capture as CUDA graphs (default 1, 2, 4, 8 "
                         "and every 8 up to --max-num-seqs); larger batches run eagerly")
@@ -148,6 +152,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         skip_tokenizer_init=ns.skip_tokenizer_init,
         kernel_backend=ns.kernel_backend,
         enforce_eager=ns.enforce_eager,
+        fused_decode_gemv=ns.fused_decode_gemv,
         cuda_graph_sizes=",".join(ns.cuda_graph_sizes) if ns.cuda_graph_sizes else None,
         cpu_linear_backend=ns.cpu_linear_backend,
         quantization=ns.quantization,

@@ -317,6 +317,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     kernel_backend: str = "auto"  # auto | torch | triton | numba (see layers.backend)
     enforce_eager: bool = False  # no CUDA graphs for decode
+    # Steps of up to 4 tokens fold RMSNorm and SiLU * mul into the GEMVs (Triton path).
+    fused_decode_gemv: bool = False
     cuda_graph_sizes: str | None = None  # "1,2,4,8,..." (default: 1, 2, 4, 8, every 8)
     cpu_linear_backend: str = "auto"  # auto | onednn | torch (float32 linear layers on CPU)
     # Pack the float32 linear weights for oneDNN after start-up, between (and a layer per)

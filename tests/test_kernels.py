@@ -31,6 +31,13 @@ from rvllm.kernels.triton.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_ref,
 )
+from rvllm.kernels.triton.fused_gemv import (  # noqa: E402
+    gemv,
+    norm_gemv,
+    norm_gemv_ref,
+    silu_mul_gemv,
+    silu_mul_gemv_ref,
+)
 from rvllm.kernels.triton.greedy import greedy_sample, greedy_sample_ref  # noqa: E402
 from rvllm.kernels.triton.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
@@ -293,11 +300,54 @@ def test_prefill_of_one_token_equals_decode() -> None:
     _close_attn(prefill, decode)
 
 
+# --- fused decode GEMVs ----------------------------------------------------------------
+
+# (rows, outputs, inputs): one to four rows; outputs no multiple of a program's 4-32;
+# inputs past one tile and no multiple of it.
+GEMV_SHAPES = [(1, 37, 300), (3, 72, 96), (4, 5, 1030)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)
+def test_norm_gemv_matches_reference_and_returns_the_new_residual(
+        dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    x, res = _randn(rows, k, dtype=dtype), _randn(rows, k, dtype=dtype)
+    norm_w, bias = _randn(k, dtype=dtype), _randn(n, dtype=dtype)
+    weight = _randn(n, k, dtype=dtype) / math.sqrt(k)
+    x0, res0 = x.clone(), res.clone()
+    for residual in (res, None):
+        out, new_res = norm_gemv(x, residual, norm_w, 1e-6, weight, bias)
+        want_out, _ = norm_gemv_ref(x, residual, norm_w, 1e-6, weight, bias)
+        _close(out, want_out, 2 * TOL[dtype])
+        # The new residual is the separate norm kernel's, bit for bit.
+        want_res = x if residual is None else fused_add_rms_norm(x, residual, norm_w, 1e-6)[1]
+        assert torch.equal(new_res, want_res)
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)
+def test_silu_mul_gemv_is_the_gemv_of_silu_and_mul(dtype: torch.dtype, rows: int, n: int,
+                                                    k: int) -> None:
+    x, bias = _randn(rows, 2 * k, dtype=dtype), _randn(n, dtype=dtype)
+    weight = _randn(n, k, dtype=dtype) / math.sqrt(k)
+    out = silu_mul_gemv(x, weight, bias, block_n=8)
+    _close(out, silu_mul_gemv_ref(x, weight, bias), 2 * TOL[dtype])
+    # The activation rounds as the separate kernel does: its GEMV's input is the same.
+    assert torch.equal(out, gemv(silu_and_mul(x), weight, bias, block_n=8))
+
+
+def test_fused_gemvs_refuse_more_than_four_rows() -> None:
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv(_randn(5, 8), _randn(3, 8))
+
+
 # --- start-up self-check -------------------------------------------------------------
 
 def test_check_kernels_passes_and_names_every_kernel() -> None:
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     assert check_kernels(DEVICE, dtype) == list(KERNEL_NAMES)
+    assert check_kernels(DEVICE, dtype, ["fused_gemv"]) == ["fused_gemv"]
 
 
 def test_check_kernels_names_the_kernel_that_does_not_match(monkeypatch) -> None:

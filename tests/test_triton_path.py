@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (test extras)")
 
-from test_engine import greedy, make_prompts, reference  # noqa: E402
+from test_engine import NEW_TOKENS, greedy, make_prompts, reference  # noqa: E402
 
 from rvllm import LLM, SamplingParams  # noqa: E402
 from rvllm.layers.backend import resolve_kernel_backend, use_triton  # noqa: E402
@@ -153,3 +153,31 @@ def test_speculation_on_the_triton_kernels_keeps_greedy_output(llama_dir: Path,
                speculative_config=config)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.spec_stats.num_drafts > 0
+
+
+def test_fused_decode_gemv_matches_transformers(llama_dir: Path, monkeypatch) -> None:
+    """--fused-decode-gemv: steps of up to four tokens fold each norm into the projection
+    after it and SiLU * mul into the down projection, with the same greedy tokens."""
+    from rvllm.models.llama import LlamaDecoderModel
+
+    fused_rows = []
+    forward = LlamaDecoderModel._fused_gemv_forward
+
+    def counting(self, input_ids, positions):
+        fused_rows.append(input_ids.shape[0])
+        return forward(self, input_ids, positions)
+
+    monkeypatch.setattr(LlamaDecoderModel, "_fused_gemv_forward", counting)
+    # At most three sequences at once: every decode step and the short prefills fuse.
+    # Plain weights, as on a GPU (the CPU's oneDNN copies would not fuse).
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32", max_num_seqs=3,
+              cpu_linear_backend="torch", fused_decode_gemv=True)
+    assert llm.engine.model.model.fuses_decode_gemv()
+    # Prompts of 1, 3 and 7 tokens: the 7-token prefill runs the separate kernels.
+    assert greedy(llm, make_prompts()[:3]) == reference(llama_dir)[:3]
+    assert len(fused_rows) >= NEW_TOKENS - 1 and max(fused_rows) <= 4  # every decode step
+
+
+def test_fused_decode_gemv_is_refused_off_the_triton_kernels(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--fused-decode-gemv runs Triton kernels"):
+        LLM(str(llama_dir), kernel_backend="torch", fused_decode_gemv=True)

@@ -47,15 +47,23 @@ class KernelWarmUp(threading.Thread):
 
 def select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
                     kv_dtype: torch.dtype, int8: bool, multi_step: bool,
-                    packed: bool = False, quantization: str | None = None
-                    ) -> tuple[str, KernelWarmUp | None]:
+                    packed: bool = False, quantization: str | None = None,
+                    fused_gemv: bool = False) -> tuple[str, KernelWarmUp | None]:
     """Choose the kernel backend and, for Triton, compile and check every kernel against
     its reference once, so a broken kernel stops start-up instead of corrupting output.
     The numba kernels start loading from numba's cache (or compiling) on a thread: join
     it before the first step."""
-    from rvllm.layers.backend import resolve_kernel_backend, set_kernel_backend
+    from rvllm.layers.backend import (
+        resolve_kernel_backend,
+        set_fused_decode_gemv,
+        set_kernel_backend,
+    )
 
     backend = resolve_kernel_backend(requested, device, dtype)
+    if fused_gemv and backend != "triton":
+        raise ValueError("--fused-decode-gemv runs Triton kernels; this engine's kernel "
+                         f"backend is {backend}. Run on a GPU (or with --kernel-backend "
+                         "triton) or leave the flag out.")
     if kv_dtype == torch.float8_e4m3fn and backend != "triton":
         raise ValueError("--kv-cache-dtype fp8 is read by the Triton kernels only; run with "
                          "--kernel-backend triton (the GPU's default)")
@@ -68,12 +76,18 @@ def select_kernels(requested: str, device: torch.device, dtype: torch.dtype,
         start = time.perf_counter()
         checked = check_kernels(device, dtype)
         for extra in (quantization, "fp8_kv_cache" if kv_dtype == torch.float8_e4m3fn
-                      else None):
+                      else None, "fused_gemv" if fused_gemv else None):
             if extra in OPTIONAL_KERNEL_NAMES:
                 checked += check_kernels(device, dtype, OPTIONAL_KERNEL_NAMES[extra])
         logger.info("checked %d Triton kernels against their references in %.1fs",
                     len(checked), time.perf_counter() - start)
     set_kernel_backend(backend)
+    if fused_gemv:
+        from rvllm.kernels.triton.fused_gemv import MAX_ROWS
+
+        set_fused_decode_gemv(MAX_ROWS)
+    else:
+        set_fused_decode_gemv(0)
     return backend, warming
 
 
@@ -170,6 +184,21 @@ def check_packed_activations(args: EngineArgs, quantization: str | None,
                          "kept packed on the CPU (a quantized GGUF file, int4); this model "
                          f"runs with --quantization {quantization or 'none'}"
                          + (" under --model-impl jax" if args.model_impl == "jax" else ""))
+
+
+def report_fused_decode_gemv(model: torch.nn.Module) -> None:
+    """Log whether ``--fused-decode-gemv`` applies to this model's layers (a warning where
+    it does not: its steps then run the separate kernels)."""
+    from rvllm.layers.backend import fused_decode_gemv_rows
+
+    fuses = getattr(getattr(model, "model", None), "fuses_decode_gemv", None)
+    if fuses is not None and fuses():
+        logger.info("fused decode GEMVs: on, for steps of up to %d tokens",
+                    fused_decode_gemv_rows())
+    else:
+        logger.warning("--fused-decode-gemv: this model's layers run the separate kernels "
+                       "(the fused GEMVs take Llama-shaped layers with plain, unquantized "
+                       "weights on one tensor-parallel rank)")
 
 
 def check_async_scheduling(args: EngineArgs) -> None:

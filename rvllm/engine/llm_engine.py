@@ -36,6 +36,7 @@ from rvllm.engine.engine_startup import (
     check_scheduler_steps,
     check_speculative,
     preemption_mode,
+    report_fused_decode_gemv,
     resolve_quantization,
     scheduler_config,
     select_kernels,
@@ -124,7 +125,7 @@ class LLMEngine:
         self.kernel_backend, warming = select_kernels(
             args.kernel_backend, self.device, dtype, kv_dtype,
             self.quantization == "int8" and args.model_impl != "jax",
-            args.num_scheduler_steps > 1, packed, self.quantization)
+            args.num_scheduler_steps > 1, packed, self.quantization, args.fused_decode_gemv)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
         check_async_scheduling(args)
@@ -178,6 +179,8 @@ class LLMEngine:
                                                 args.chat_template)
             phase = time.perf_counter()
             finish_linear_weights(self.model)  # before anything runs the model
+            if args.fused_decode_gemv:
+                report_fused_decode_gemv(self.model)
             if self.packed_activations not in (None, "int16"):
                 set_packed_activations(self.model, self.packed_activations)
             self.startup_phases["packing_wait"] = time.perf_counter() - phase

@@ -5,7 +5,9 @@ One choice per process, made at start-up (``--kernel-backend``) before the first
 pass and logged. The numba backend (the CPU's default in float32) replaces decode
 attention over the paged cache and one-row linear layers; everything else runs the
 torch code. The Triton path replaces fused residual-add + RMSNorm, RoPE + KV-cache
-write, paged decode and prefill attention, SiLU * mul and greedy sampling. Every layer
+write, paged decode and prefill attention, SiLU * mul and greedy sampling; with
+``--fused-decode-gemv``, steps of up to four tokens on Llama-shaped layers also fold
+each norm and SiLU * mul into the GEMV after it (``kernels.triton.fused_gemv``). Every layer
 keeps its plain-torch code as the reference and for what the kernels do not cover
 (Gemma's 1 + w norms, logit soft-capping on the Triton path, sampling with penalties
 or logprobs).
@@ -25,7 +27,7 @@ import torch
 logger = logging.getLogger("rvllm")
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "numba")
-_STATE = {"backend": "torch"}
+_STATE = {"backend": "torch", "fused_gemv_rows": 0}
 
 
 def triton_interpreted() -> bool:
@@ -75,3 +77,14 @@ def use_triton() -> bool:
 def use_numba() -> bool:
     return _STATE["backend"] == "numba"
 
+
+def set_fused_decode_gemv(max_rows: int) -> None:
+    """``--fused-decode-gemv``: steps of up to ``max_rows`` tokens (0: none) fold each
+    RMSNorm into the projection after it and SiLU * mul into the down projection (Triton
+    path, Llama-shaped layers; ``kernels.triton.fused_gemv``)."""
+    _STATE["fused_gemv_rows"] = int(max_rows)
+
+
+def fused_decode_gemv_rows() -> int:
+    """Tokens up to which a step takes the fused decode GEMVs; 0 where it does not."""
+    return int(_STATE["fused_gemv_rows"]) if use_triton() else 0

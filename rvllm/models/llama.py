@@ -12,7 +12,7 @@ from rvllm.distributed import get_tp_size
 from rvllm.forward_context import get_forward_context
 from rvllm.layers.activation import SiluAndMul
 from rvllm.layers.attention import Attention
-from rvllm.layers.backend import use_numba
+from rvllm.layers.backend import fused_decode_gemv_rows, use_numba
 from rvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rvllm.layers.norm import RMSNorm
 from rvllm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -69,7 +69,10 @@ class LlamaAttention(nn.Module):
                               sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention and the output projection, from the QKV projection's output."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -104,7 +107,43 @@ class LlamaDecoderModel(DecoderModel):
             hidden = self._compiled_step(input_ids, positions)
             if hidden is not None:
                 return hidden
+        elif input_ids.shape[0] <= fused_decode_gemv_rows() and self.fuses_decode_gemv():
+            return self._fused_gemv_forward(input_ids, positions)
         return super().forward(input_ids, positions)
+
+    def fuses_decode_gemv(self) -> bool:
+        """Whether steps of a few tokens may run the fused GEMVs (``--fused-decode-gemv``):
+        Llama-shaped layers whose QKV, gate/up and down projections are plain weights
+        (not int4 or fp8) on one tensor-parallel rank. Decided once, after load."""
+        fuses = self.__dict__.get("_fuses_decode_gemv")
+        if fuses is None:
+            fuses = get_tp_size() == 1 and self._llama_shaped() and all(
+                getattr(linear, "linear_kind", None) is None and linear.weight.stride(-1) == 1
+                for layer in self.layers
+                for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj))
+            self.__dict__["_fuses_decode_gemv"] = fuses
+        return fuses
+
+    def _fused_gemv_forward(self, input_ids: torch.Tensor, positions: torch.Tensor
+                            ) -> torch.Tensor:
+        """The layers with each norm folded into the projection after it, and SiLU * mul
+        into the down projection (``kernels.triton.fused_gemv``)."""
+        from rvllm.kernels.triton.fused_gemv import norm_gemv, silu_mul_gemv
+
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            qkv, residual = norm_gemv(x, residual, norm.weight, norm.eps,
+                                      attn.qkv_proj.weight, attn.qkv_proj.bias)
+            x = attn.attend(positions, qkv)
+            norm = layer.post_attention_layernorm
+            gate_up, residual = norm_gemv(x, residual, norm.weight, norm.eps,
+                                          mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            x = silu_mul_gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
+        x, _ = self.norm(x, residual)
+        return x
 
     def step_plan(self) -> CpuStepPlan | None:
         """The compiled steps' plan for these layers (``models.cpu_step.build_plan``, made
@@ -117,22 +156,26 @@ class LlamaDecoderModel(DecoderModel):
             self.__dict__["_decoder_step_plan"] = plan
         return plan
 
+    def _llama_shaped(self) -> bool:
+        """Every layer exactly Llama's: no subclass, plain RMSNorms, a SiLU-gated MLP."""
+        return type(self.norm) is RMSNorm and len(self.layers) > 0 and all(
+            type(layer) is PreNormDecoderLayer and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            for layer in self.layers)
+
     def _kernels_compute_it(self) -> bool:
         """Whether the layers are exactly the Llama shape the CPU's whole-step kernels
         compute: no subclass, plain RMSNorms of one epsilon, one attention scale and
         rotary table, no soft-capping, float32, one tensor-parallel rank."""
         layers = list(self.layers)
-        if (get_tp_size() != 1 or type(self.norm) is not RMSNorm or not layers
+        if (get_tp_size() != 1 or not self._llama_shaped()
                 or self.embed_tokens.weight.dtype != torch.float32):
             return False
         first = layers[0].self_attn
         for layer in layers:
             attn = layer.self_attn
-            if (type(layer) is not PreNormDecoderLayer or type(attn) is not LlamaAttention
-                    or type(layer.mlp) is not LlamaMLP
-                    or type(layer.input_layernorm) is not RMSNorm
-                    or type(layer.post_attention_layernorm) is not RMSNorm
-                    or type(attn.rotary_emb) is not RotaryEmbedding):
+            if type(attn.rotary_emb) is not RotaryEmbedding:
                 return False
             if (attn.attn.logits_soft_cap is not None or attn.attn.scale != first.attn.scale
                     or layer.input_layernorm.eps != self.norm.eps

@@ -10,6 +10,7 @@ reference it must match, and run in Triton's interpreter on the CPU for tests
   ``w4a16``              int4 weight-only linear layers (GEMV and GEMM, split-K)
   ``fp8_linear``         FP8 (E4M3) weight-only linear layers
   ``kv_fp8``             the FP8 KV cache's scales (plain torch; the kernels above read it)
+  ``fused_gemv``         decode GEMVs with RMSNorm or SiLU * mul folded in (--fused-decode-gemv)
   ``check``              the start-up self-check of each against its reference
 
 The kernel modules import triton, so import them where their path is chosen; this
@@ -33,11 +34,13 @@ KERNEL_NAMES = (
     "greedy_sample",
 )
 # Checked only by engines that run them (pass them as ``kernels``): the GPU's quantized
-# linear layers (--quantization int4 | fp8) and the FP8 KV cache (--kv-cache-dtype fp8).
+# linear layers (--quantization int4 | fp8), the FP8 KV cache (--kv-cache-dtype fp8) and
+# the fused decode GEMVs (--fused-decode-gemv).
 OPTIONAL_KERNEL_NAMES = {
     "int4": ("w4a16_linear",),
     "fp8": ("fp8_linear",),
     "fp8_kv_cache": ("fp8_kv_cache",),
+    "fused_gemv": ("fused_gemv",),
 }
 
 # (device, dtype, kernel) already checked in this process: once is enough.

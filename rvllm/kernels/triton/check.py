@@ -3,7 +3,8 @@
 The inputs are small but cover the paths a model takes: GQA, a context that
 crosses cache blocks, split-KV, a cached prefix, a sliding window; for the quantized
 linear layers the GEMV and the GEMM, split-K, a K padded to a whole int4 chunk, an N
-that is no multiple of the tile; for the FP8 KV cache its write, decode and prefill.
+that is no multiple of the tile; for the FP8 KV cache its write, decode and prefill; for
+the fused decode GEMVs one and three rows, with and without a residual.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rvllm.kernels.triton import (
     activation,
     decode_attention,
     fp8_linear,
+    fused_gemv,
     greedy,
     kv_fp8,
     prefill_attention,
@@ -133,6 +135,24 @@ def _fp8_linear(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs
     return tuple(got), tuple(want)
 
 
+def _fused_gemv(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
+    n, k = 72, 200  # a K past one tile, an N no multiple of the programs' outputs
+    weight = torch.randn(n, k, device=dev, dtype=dtype) / math.sqrt(k)
+    down = torch.randn(n, k // 2, device=dev, dtype=dtype) / math.sqrt(k // 2)
+    norm_weight = torch.randn(k, device=dev, dtype=dtype)
+    bias = torch.randn(n, device=dev, dtype=dtype)
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    for rows in (1, 3):
+        x, res = (torch.randn(rows, k, device=dev, dtype=dtype) for _ in range(2))
+        for residual in (res, None):
+            got += fused_gemv.norm_gemv(x, residual, norm_weight, 1e-6, weight, bias, block_n=16)
+            want += fused_gemv.norm_gemv_ref(x, residual, norm_weight, 1e-6, weight, bias)
+        got.append(fused_gemv.silu_mul_gemv(x, down, block_n=16))
+        want.append(fused_gemv.silu_mul_gemv_ref(x, down))
+    return tuple(got), tuple(want)
+
+
 def _fp8_kv_cache(dev: torch.device, dtype: torch.dtype) -> tuple[Outputs, Outputs]:
     """The write into an FP8 cache (against quantizing the kernel's own rotated keys: the
     rotation is the rotary check's), then decode and prefill attention over it."""
@@ -191,6 +211,7 @@ CASES: dict[str, Callable[[torch.device, torch.dtype], tuple[Outputs, Outputs]]]
     "w4a16_linear": _w4a16,
     "fp8_linear": _fp8_linear,
     "fp8_kv_cache": _fp8_kv_cache,
+    "fused_gemv": _fused_gemv,
 }
 
 
