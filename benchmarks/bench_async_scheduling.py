@@ -22,34 +22,21 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QWEN_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
-               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
-               rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
-               tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
-               eos_token_id=1, use_sliding_window=False)
+from model_shapes import add_model_args, model_and_kwargs  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="a checkpoint (default: the built-in model)")
-    p.add_argument("--shape", choices=["qwen2.5-7b"], default=None,
-                   help="random weights of this shape instead of --model")
-    p.add_argument("--layers", type=int, default=None,
-                   help="with --shape: this many layers (a quick check), not the shape's")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_model_args(p)
     p.add_argument("--ns", default="1,32", help="comma-separated concurrencies")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--engine-kwargs", default="{}", help="JSON, passed to LLM(...)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args()
 
@@ -61,13 +48,7 @@ def main() -> None:
     from rvllm import LLM, SamplingParams
     from rvllm.bench.report import machine_info, write_json
 
-    kwargs = {"device": a.device, "dtype": a.dtype, **json.loads(a.engine_kwargs)}
-    model = a.model
-    if a.shape is not None:
-        model = tempfile.mkdtemp(prefix="rvllm-async-")
-        config = dict(QWEN_7B, num_hidden_layers=a.layers or QWEN_7B["num_hidden_layers"])
-        (Path(model) / "config.json").write_text(json.dumps(config))
-        kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+    model, kwargs = model_and_kwargs(a)
     ns = [int(n) for n in a.ns.split(",")]
     llm = LLM(model, max_num_seqs=max(ns), async_scheduling=True, **kwargs)
     engine = llm.engine

@@ -7,9 +7,12 @@
 #   3. the engine benchmark (7B-shaped dummy weights, bf16, N=1/8/32/128, graphs on/off),
 #      when `rvllm benchmark` supports it; otherwise "skipped: ..."
 #   4. decode with and without --async-scheduling on the same model, N=1/32/128
-#   5. the peer: transformers generate on the same model
+#   5. decode at N=1/4 with and without --fused-decode-gemv, graphs on, in turns
+#   6. prefill tok/s at 512- and 2,048-token prompts against the bf16 matmul peak, and
+#      the paged prefill attention against SDPA at those lengths
+#   7. the peer: transformers generate on the same model
 # GPU_CHECK_STEPS=a,b runs only those steps (kernel_tests, kernel_bench, engine_bench,
-# async_bench, hf_peer).
+# async_bench, fused_gemv_bench, prefill_bench, hf_peer).
 # Results: JSON per step plus gpu_check.json (step statuses) in $OUT, else benchmarks/results.
 # A failing step is recorded and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -91,6 +94,28 @@ fi
 wanted async_bench && run_step async_bench 180 "$py" benchmarks/bench_async_scheduling.py \
   --shape qwen2.5-7b --device cuda --dtype bfloat16 --ns 1,32,128 --max-tokens 128 \
   --engine-kwargs '{"max_model_len": 2048}' --json "$out_dir/async_bench.json"
+
+# The fused decode GEMVs against the separate kernels, each engine run twice in turns.
+fused_gemv_bench() {
+  for round in 1 2; do
+    for fused in "" "--fused-decode-gemv"; do
+      # shellcheck disable=SC2086  # $fused is one flag or nothing
+      "$py" -m rvllm.cli benchmark --model "$model_dir" --load-format dummy \
+        --skip-tokenizer-init --dtype bfloat16 --n 1,4 --output-len 256 \
+        --max-num-seqs 4 --max-model-len 2048 --no-progress $fused \
+        --json "$out_dir/fused_gemv_bench${fused:+_fused}_$round.json" || return 1
+    done
+  done
+}
+if wanted fused_gemv_bench; then
+  export -f fused_gemv_bench
+  export py model_dir out_dir
+  run_step fused_gemv_bench 200 bash -c fused_gemv_bench
+fi
+
+wanted prefill_bench && run_step prefill_bench 150 "$py" benchmarks/bench_prefill.py \
+  --shape qwen2.5-7b --device cuda --dtype bfloat16 --lens 512,2048 \
+  --json "$out_dir/prefill_bench.json"
 
 if ! wanted hf_peer; then
   :
