@@ -10,9 +10,12 @@
 #   5. decode at N=1/4 with and without --fused-decode-gemv, graphs on, in turns
 #   6. prefill tok/s at 512- and 2,048-token prompts against the bf16 matmul peak, and
 #      the paged prefill attention against SDPA at those lengths
-#   7. the peer: transformers generate on the same model
+#   7. the quantized paths: their layers' GEMVs and attention (bench_gpu_quant.py), then the
+#      engine at N=1 in bf16, int4 and fp8 weights, and at N=128 over a bf16 and an fp8
+#      KV cache (its JSON has the cache's blocks)
+#   8. the peer: transformers generate on the same model
 # GPU_CHECK_STEPS=a,b runs only those steps (kernel_tests, kernel_bench, engine_bench,
-# async_bench, fused_gemv_bench, prefill_bench, hf_peer).
+# async_bench, fused_gemv_bench, prefill_bench, quant_bench, hf_peer).
 # Results: JSON per step plus gpu_check.json (step statuses) in $OUT, else benchmarks/results.
 # A failing step is recorded and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -67,6 +70,7 @@ wanted kernel_bench && run_step kernel_bench 150 "$py" benchmarks/bench_kernels.
 
 model_dir="$out_dir/qwen2.5-7b-shape"
 "$py" benchmarks/bench_hf_peer.py --save-config "$model_dir"
+export py model_dir out_dir  # for the steps that run as bash functions
 if ! wanted engine_bench; then
   :
 elif "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format"; then
@@ -84,7 +88,6 @@ elif "$py" -m rvllm.cli benchmark --help 2>/dev/null | grep -q -- "--load-format
     done
   }
   export -f engine_bench
-  export py model_dir out_dir
   run_step engine_bench 240 bash -c engine_bench
 else
   skip_step engine_bench "rvllm benchmark with --load-format dummy is not available yet"
@@ -109,13 +112,30 @@ fused_gemv_bench() {
 }
 if wanted fused_gemv_bench; then
   export -f fused_gemv_bench
-  export py model_dir out_dir
   run_step fused_gemv_bench 200 bash -c fused_gemv_bench
 fi
 
 wanted prefill_bench && run_step prefill_bench 150 "$py" benchmarks/bench_prefill.py \
   --shape qwen2.5-7b --device cuda --dtype bfloat16 --lens 512,2048 \
   --json "$out_dir/prefill_bench.json"
+
+quant_bench() {
+  "$py" benchmarks/bench_gpu_quant.py --out "$out_dir/gpu_quant.json" || return 1
+  local common=(-m rvllm.cli benchmark --model "$model_dir" --load-format dummy
+                --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 --no-progress)
+  for q in none int4 fp8; do
+    "$py" "${common[@]}" --quantization "$q" --n 1 --output-len 256 --max-num-seqs 4 \
+      --json "$out_dir/quant_bench_n1_$q.json" || return 1
+  done
+  for kv in auto fp8; do
+    "$py" "${common[@]}" --kv-cache-dtype "$kv" --n 128 --output-len 128 \
+      --max-num-seqs 128 --json "$out_dir/quant_bench_n128_kv_$kv.json" || return 1
+  done
+}
+if wanted quant_bench; then
+  export -f quant_bench
+  run_step quant_bench 240 bash -c quant_bench
+fi
 
 if ! wanted hf_peer; then
   :
