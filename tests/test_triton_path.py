@@ -91,22 +91,18 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch) -> 
         resolve_kernel_backend("triton", torch.device("cpu"))
 
 
-def test_decode_graph_forward_with_padding_matches_transformers(llama_dir: Path) -> None:
-    """The runner's graph path on the CPU: each 'replay' reruns the captured forward on the
-    static buffers, so padding rows (scratch-block writes, zero lengths) and the buffer
-    handling are exercised exactly as on a GPU; only the capture itself needs CUDA."""
+def _graphs_on_the_cpu(llm: LLM, num_blocks: int, block_size: int) -> list[int]:
+    """Decode graphs for ``llm`` whose 'replay' reruns the captured forward on the static
+    buffers (only the capture itself needs CUDA); returns the list of each replay's
+    batch size, filled as they run."""
     from rvllm.executor.decode_graphs import DecodeGraphs
 
-    num_blocks, block_size = 64, 8
-    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32",
-              num_gpu_blocks=num_blocks, block_size=block_size, max_model_len=128,
-              enforce_eager=True)
     engine = llm.engine
     mc = engine.model_config
     engine.runner.allocate_kv_cache(num_blocks + 1, mc.num_kv_heads, mc.head_dim, mc.dtype)
     graphs = DecodeGraphs(engine.model, engine.device, block_size, num_blocks, 128,
                           [1, 2, 4, 8])
-    replays = []
+    replays: list[int] = []
 
     def capture_one(inputs):
         out = graphs._forward(inputs)
@@ -119,6 +115,18 @@ def test_decode_graph_forward_with_padding_matches_transformers(llama_dir: Path)
     graphs.runner._capture_one = capture_one
     graphs.capture()
     engine.runner.decode_graphs = graphs
+    return replays
+
+
+def test_decode_graph_forward_with_padding_matches_transformers(llama_dir: Path) -> None:
+    """The runner's graph path on the CPU: each 'replay' reruns the captured forward on the
+    static buffers, so padding rows (scratch-block writes, zero lengths) and the buffer
+    handling are exercised exactly as on a GPU."""
+    num_blocks, block_size = 64, 8
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32",
+              num_gpu_blocks=num_blocks, block_size=block_size, max_model_len=128,
+              enforce_eager=True)
+    replays = _graphs_on_the_cpu(llm, num_blocks, block_size)
     prompts = make_prompts()  # 8 prompts: decode batches of 8, then fewer as they finish
     assert greedy(llm, prompts) == reference(llama_dir)
     assert replays and set(replays) <= {1, 2, 4, 8}
@@ -181,3 +189,32 @@ def test_fused_decode_gemv_matches_transformers(llama_dir: Path, monkeypatch) ->
 def test_fused_decode_gemv_is_refused_off_the_triton_kernels(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--fused-decode-gemv runs Triton kernels"):
         LLM(str(llama_dir), kernel_backend="torch", fused_decode_gemv=True)
+
+
+def test_overlapped_graph_steps_keep_greedy_tokens_on_the_device(llama_dir: Path,
+                                                                  monkeypatch) -> None:
+    """--async-scheduling over decode graphs, every row greedy: each step's tokens stay
+    where the greedy kernel wrote them, the next step's inputs are read from there, and
+    the engine takes them afterwards; the tokens are transformers'."""
+    from rvllm.executor import decode_graphs
+
+    fed = []
+    run = decode_graphs.DecodeGraphs.run
+
+    def counting(self, *args):
+        feed = args[5] if len(args) > 5 else None
+        fed.append(feed is not None and max(feed[1]) >= 0)
+        return run(self, *args)
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "run", counting)
+    num_blocks, block_size = 64, 8
+    llm = LLM(str(llama_dir), kernel_backend="triton", dtype="float32",
+              num_gpu_blocks=num_blocks, block_size=block_size, max_model_len=128,
+              enforce_eager=True, async_scheduling=True)
+    _graphs_on_the_cpu(llm, num_blocks, block_size)
+    prompts = make_prompts()[:4]
+    assert greedy(llm, prompts) == reference(llama_dir)[:4]
+    # Every graph step after the first (which follows the prefill, sampled on the host)
+    # takes its inputs from the device.
+    assert len(fed) >= NEW_TOKENS - 2 and all(fed[1:])
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

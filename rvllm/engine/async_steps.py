@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from rvllm.executor.device_tokens import PLACEHOLDER, DeviceTokens, fill_placeholders
 
 if TYPE_CHECKING:
     from rvllm.engine.sequence import Sequence
     from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
 
-# The token id of a token that a step in flight is sampling (no vocabulary has it).
-PLACEHOLDER = -1
+__all__ = ["PLACEHOLDER", "StepInFlight", "StepWorker", "step_view", "strip_placeholders"]
 
 
 def step_view(seq: Sequence) -> Sequence:
@@ -75,8 +75,9 @@ class StepWorker:
         gpu = torch.cuda.current_device() if runner.device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rvllm-step",
                                         initializer=_thread_start, initargs=(gpu,))
-        # The tokens the last step sampled, by sequence id: the next step's placeholders.
-        self._sampled: dict[int, int] = {}
+        # The tokens the last step sampled, by sequence id, or still on the device: the
+        # next step's placeholders.
+        self._sampled: dict[int, int] | DeviceTokens = {}
 
     def submit(self, sched: SchedulerOutput) -> StepInFlight:
         """Hand the worker ``sched`` as copies of its sequences, then give each sequence
@@ -99,12 +100,18 @@ class StepWorker:
 
     def _run(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         sampled, self._sampled = self._sampled, {}
-        for s in sched.scheduled:
-            ids = s.seq.token_ids
-            if ids and ids[-1] == PLACEHOLDER:
-                ids[-1] = sampled[s.seq.seq_id]
-        outputs = self.runner.execute(sched)
-        self._sampled = {o.seq.seq_id: o.token_id for o in outputs if o.token_id is not None}
+        if isinstance(sampled, DeviceTokens):
+            # The runner reads them on the device where it can, else waits for them.
+            outputs = self.runner.execute(sched, feed=sampled, defer=True)
+        else:
+            fill_placeholders(sched.scheduled, sampled)
+            outputs = self.runner.execute(sched, defer=True)
+        pending = outputs[0].pending if outputs else None
+        if pending is not None:  # every row's token is still on the device
+            self._sampled = pending
+        else:
+            self._sampled = {o.seq.seq_id: o.token_id for o in outputs
+                             if o.token_id is not None}
         return outputs
 
     def forget(self) -> None:

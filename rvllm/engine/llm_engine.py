@@ -48,6 +48,7 @@ from rvllm.engine.idle_work import IdleWork
 from rvllm.engine.scheduler import Scheduler, SchedulerOutput
 from rvllm.engine.sequence import Sequence, SequenceStatus
 from rvllm.engine.stop import check_stop
+from rvllm.executor.device_tokens import resolve_outputs
 from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
 from rvllm.inputs import PromptType
@@ -621,6 +622,7 @@ class LLMEngine:
             return []
         try:
             step_outputs = step.future.result()
+            resolve_outputs(step_outputs)
         except BaseException:
             self._abandon(step)
             raise

@@ -94,19 +94,32 @@ class DecodeGraphs:
                     self.runner.sizes, time.perf_counter() - start)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Logits [B, V] of one decode step (a view: use it before the next replay)."""
+            seq_lens: list[int], tables: list[list[int]],
+            feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Logits [B, V] of one decode step (a view: use it before the next replay).
+        ``feed``: (the step before's tokens on the device, for each row the one of them
+        that is its input, or -1 where ``input_ids`` has it): the input is read there,
+        and the host need not have it."""
         batch = len(input_ids)
         width = max(len(t) for t in tables)
-        # Every input in one host tensor and one copy to the device (each copy from
-        # pageable memory waits for the GPU); the block tables padded with block 0.
-        flat = [*input_ids, *positions, *slots, *seq_lens]
+        # Every input in one host tensor and one copy to the device, from pinned memory
+        # so that the copy is queued behind the step in flight rather than waiting for
+        # it; the block tables padded with block 0.
+        flat = [*input_ids, *positions, *slots, *seq_lens, *(feed[1] if feed else ())]
         for row in tables:
             flat += row
             flat += [0] * (width - len(row))
         device = self.runner.buffers["input_ids"].device
-        packed = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
-        ids, pos, slot, lens, table = packed.split([batch] * 4 + [batch * width])
+        packed = torch.tensor(flat, dtype=torch.long)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        parts = packed.split([batch] * (5 if feed else 4) + [batch * width])
+        ids, pos, slot, lens, table = *parts[:4], parts[-1]
+        if feed is not None:
+            source = parts[4]
+            fed = feed[0].index_select(0, source.clamp(min=0)).to(ids.dtype)
+            ids = torch.where(source >= 0, fed, ids)
         inputs = {"input_ids": ids, "positions": pos, "slot_mapping": slot,
                   "seq_lens": lens, "block_tables": table.view(batch, width)}
         return self.runner.run(inputs)

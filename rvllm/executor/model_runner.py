@@ -11,6 +11,7 @@ from torch import nn
 
 from rvllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from rvllm.engine.sequence import Sequence
+from rvllm.executor.device_tokens import DeviceTokens, fill_placeholders, host_tokens
 from rvllm.executor.kv_cache import empty_cpu_cache
 from rvllm.forward_context import (
     AttentionMetadata,
@@ -56,6 +57,10 @@ class SeqStepOutput:
     # Speculative decoding: the drafts this step verified, and how many it kept.
     num_drafts: int = 0
     num_accepted: int = 0
+    # Overlapped steps: the token and logprob are row ``pending_row`` of these, still on
+    # the device until ``device_tokens.resolve_outputs`` fills them in.
+    pending: DeviceTokens | None = None
+    pending_row: int = 0
 
 
 def bind_fp8_kv_scales(layers: list[nn.Module], device: torch.device) -> None:
@@ -205,11 +210,18 @@ class ModelRunner:
                     moved = _bytes(src).index_select(0, cpu).to(self.device)
                     _bytes(dst).index_copy_(0, dev, moved)
 
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+    def execute(self, sched: SchedulerOutput, feed: DeviceTokens | None = None,
+                defer: bool = False) -> list[SeqStepOutput]:
         """Run one scheduled step and sample it. A step that the CPU's compiled decode
         covers (``_compiled_step``) runs outside torch's inference mode: it makes no
         tensors, and entering and leaving the mode cost about 15 us of a one-row step,
-        on code that the step's weights had pushed out of the caches."""
+        on code that the step's weights had pushed out of the caches.
+
+        Overlapped steps (``engine.async_steps``): ``feed`` holds the tokens of the step
+        before, still on the device, which the sequences' placeholders stand for; ``defer``
+        lets this step leave its own there (``device_tokens``). Both apply to a decode
+        graph's step whose rows are all plain greedy; any other step takes the tokens to
+        the host first and samples as usual."""
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             with torch.inference_mode():
                 self.swap(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
@@ -220,6 +232,13 @@ class ModelRunner:
         # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
                            and not plan.prompt and plan.rows == list(range(len(decodes))))
+        on_device = (decode_only and self.decode_graphs is not None
+                     and len(decodes) <= self.decode_graphs.max_batch and use_triton()
+                     and all(plain_greedy(s.seq.params, s.seq.num_output_tokens)
+                             for s in decodes))
+        if feed is not None and not on_device:
+            fill_placeholders(sched.scheduled, host_tokens(feed))
+            feed = None
         if decode_only and self.decode_graphs is None and use_numba():
             outputs = self._compiled_step(decodes, plan, sched.num_steps)
             if outputs is not None:
@@ -229,7 +248,8 @@ class ModelRunner:
             outputs = self._compiled_verify_step(ordered, plan)
             if outputs is not None:
                 return outputs
-        return self._execute(sched, decodes, prefills, plan, decode_only)
+        return self._execute(sched, decodes, prefills, plan, decode_only, feed,
+                             defer and on_device)
 
     def _compiled_verify_step(self, ordered: list[ScheduledSeq], plan: _LogitsPlan
                               ) -> list[SeqStepOutput] | None:
@@ -285,14 +305,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput, decodes: list[ScheduledSeq],
-                 prefills: list[ScheduledSeq], plan: _LogitsPlan, decode_only: bool
+                 prefills: list[ScheduledSeq], plan: _LogitsPlan, decode_only: bool,
+                 feed: DeviceTokens | None = None, defer: bool = False
                  ) -> list[SeqStepOutput]:
         """The step through the model's layers (or a CUDA graph), ``execute``'s split of
         the scheduled sequences given."""
         ordered = decodes + prefills
         graphs = self.decode_graphs
         if decode_only and graphs is not None and len(decodes) <= graphs.max_batch:
-            logits = self._run_decode_graph(decodes)
+            logits = self._run_decode_graph(decodes, feed)
+            if defer:
+                return self._greedy_on_device(decodes, logits.float())
             return self._sample(ordered, plan, logits.float())
         input_ids, positions, metadata = self._prepare(decodes, prefills)
         logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
@@ -346,12 +369,26 @@ class ModelRunner:
             slots.append(seq.block_table[p // bs] * bs + p % bs)
         return ids, pos, slots
 
-    def _run_decode_graph(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits of a decode-only step, replayed from the captured CUDA graphs."""
+    def _run_decode_graph(self, decodes: list[ScheduledSeq],
+                          feed: DeviceTokens | None = None) -> torch.Tensor:
+        """Logits of a decode-only step, replayed from the captured CUDA graphs; the
+        inputs still placeholders are ``feed``'s tokens, read on the device."""
         bs = self.block_size
         lens = [s.seq.num_computed_tokens + 1 for s in decodes]
         tables = [s.seq.block_table[: (n - 1) // bs + 1] for s, n in zip(decodes, lens)]
-        return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables)
+        fed = None if feed is None else (feed.token_ids, feed.sources(decodes))
+        return self.decode_graphs.run(*self._decode_inputs(decodes), lens, tables, fed)
+
+    def _greedy_on_device(self, decodes: list[ScheduledSeq], logits: torch.Tensor
+                          ) -> list[SeqStepOutput]:
+        """Each row's argmax and its logprob (the sampler's greedy kernel), left on the
+        device: the outputs' tokens come with ``device_tokens.resolve_outputs``."""
+        from rvllm.kernels.triton.greedy import greedy_sample
+
+        token_ids, logprobs = greedy_sample(logits)
+        pending = DeviceTokens(token_ids, logprobs, [s.seq.seq_id for s in decodes])
+        return [SeqStepOutput(s.seq, 1, pending=pending, pending_row=i)
+                for i, s in enumerate(decodes)]
 
     def _run_compiled_decode(self, decodes: list[ScheduledSeq]) -> DecodeLogits | None:
         """A decode-only step on the CPU as the model's compiled call from token ids to
