@@ -8,8 +8,8 @@ they replace (the norm or SiLU * mul kernel, then cuBLAS), with the weight's rea
 GB/s, and beside cuBLAS and the plain Triton GEMV alone. Besides the reference,
 attention is timed against the torch paths the engine could take instead: the batched
 gather + SDPA of layers/attention.py for decode, and PyTorch's causal SDPA (flash on GPU)
-per sequence for prefill without a cached prefix. Also reports each kernel's max error against the
-reference at these shapes, and how long the start-up self-check takes.
+per sequence for prefill without a cached prefix. Also reports each kernel's max error
+against the reference at these shapes, and how long the start-up self-check takes.
 """
 
 from __future__ import annotations
