@@ -121,6 +121,16 @@ class AttentionMetadata:
 RAGGED_MIN_PADDING_PER_ROW = 64
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of a step's inputs on ``device``. To a GPU it goes from pinned memory,
+    so the copy is queued behind the work already on the stream (a step in flight, with
+    ``--async-scheduling``) rather than waiting for it, as a copy from pageable memory
+    does."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def decode_slots_from_tables(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
                              ) -> torch.Tensor:
     """The cache slot of every context position of each decoding sequence, [num_decodes,
@@ -156,9 +166,10 @@ def add_block_tables(md: AttentionMetadata, block_size: int) -> None:
         starts = [p.token_start - first for p in md.prefills]
         starts.append(starts[-1] + md.prefills[-1].num_tokens)
         md.prefill_block_tables = tables
-        md.prefill_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-        md.prefill_seq_lens = torch.tensor([p.context_len + p.num_tokens for p in md.prefills],
-                                           dtype=torch.int32, device=device)
+        md.prefill_query_start_loc = upload(torch.tensor(starts, dtype=torch.int32), device)
+        md.prefill_seq_lens = upload(
+            torch.tensor([p.context_len + p.num_tokens for p in md.prefills],
+                         dtype=torch.int32), device)
         md.max_prefill_len = max(p.num_tokens for p in md.prefills)
 
 

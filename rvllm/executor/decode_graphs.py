@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rvllm.executor.cuda_graphs import CUDAGraphRunner, GraphInputs, capture_sizes
-from rvllm.forward_context import AttentionMetadata, set_forward_context
+from rvllm.forward_context import AttentionMetadata, set_forward_context, upload
 
 logger = logging.getLogger("rvllm")
 
@@ -110,10 +110,7 @@ class DecodeGraphs:
             flat += row
             flat += [0] * (width - len(row))
         device = self.runner.buffers["input_ids"].device
-        packed = torch.tensor(flat, dtype=torch.long)
-        if device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
+        packed = upload(torch.tensor(flat, dtype=torch.long), device)
         parts = packed.split([batch] * (5 if feed else 4) + [batch * width])
         ids, pos, slot, lens, table = *parts[:4], parts[-1]
         if feed is not None:

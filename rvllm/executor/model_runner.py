@@ -19,6 +19,7 @@ from rvllm.forward_context import (
     add_block_tables,
     decode_slots_from_tables,
     set_forward_context,
+    upload,
 )
 from rvllm.host_memory import populate
 from rvllm.layers.backend import use_numba, use_triton
@@ -318,7 +319,7 @@ class ModelRunner:
                 return self._greedy_on_device(decodes, logits.float())
             return self._sample(ordered, plan, logits.float())
         input_ids, positions, metadata = self._prepare(decodes, prefills)
-        logit_rows = torch.tensor(plan.rows, dtype=torch.long, device=self.device)
+        logit_rows = upload(torch.tensor(plan.rows, dtype=torch.long), self.device)
         if self.tp_group is not None:
             from rvllm.executor.parallel import StepInputs, send_step
 
@@ -343,7 +344,7 @@ class ModelRunner:
         lazy = use_numba() and self.tp_group is None
         decode_slots, decode_seq_lens, decode_tables = self._decode_gather(decodes, lazy)
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=upload(torch.tensor(slots, dtype=torch.long), dev),
             num_decode_tokens=len(decodes),
             decode_slots=decode_slots,
             decode_seq_lens=decode_seq_lens,
@@ -353,8 +354,8 @@ class ModelRunner:
         )
         if use_triton():
             add_block_tables(metadata, bs)
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), metadata)
+        return (upload(torch.tensor(ids, dtype=torch.long), dev),
+                upload(torch.tensor(pos, dtype=torch.long), dev), metadata)
 
     def _decode_inputs(self, decodes: list[ScheduledSeq]
                        ) -> tuple[list[int], list[int], list[int]]:
@@ -463,8 +464,9 @@ class ModelRunner:
                               dtype=torch.long)
         seq_lens = torch.tensor(lens)
         slots = None if lazy_slots else decode_slots_from_tables(tables, seq_lens, bs)
-        return (None if slots is None else slots.to(self.device), seq_lens.to(self.device),
-                tables.to(self.device))
+        dev = self.device
+        return (None if slots is None else upload(slots, dev), upload(seq_lens, dev),
+                upload(tables, dev))
 
     def _sample(self, ordered: list[ScheduledSeq], plan: _LogitsPlan,
                 logits: torch.Tensor | None,
@@ -530,7 +532,7 @@ def add_chunk(seq: Sequence, ctx: int, n: int, block_size: int, device: torch.de
     table = torch.tensor(seq.block_table, dtype=torch.long)
     all_pos = torch.arange(ctx + n)
     seq_slots = table[all_pos // block_size] * block_size + all_pos % block_size
-    chunk = PrefillSeq(len(ids), n, ctx, seq_slots.to(device))
+    chunk = PrefillSeq(len(ids), n, ctx, upload(seq_slots, device))
     ids.extend(seq.token_ids[ctx:ctx + n])
     pos.extend(range(ctx, ctx + n))
     slots.extend(seq_slots[ctx:].tolist())
