@@ -233,7 +233,9 @@ class ModelRunner:
         # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
                            and not plan.prompt and plan.rows == list(range(len(decodes))))
-        on_device = (decode_only and self.decode_graphs is not None
+        # Only overlapped steps ask (``feed``/``defer``): plain steps skip the row checks.
+        on_device = ((feed is not None or defer) and decode_only
+                     and self.decode_graphs is not None
                      and len(decodes) <= self.decode_graphs.max_batch and use_triton()
                      and all(plain_greedy(s.seq.params, s.seq.num_output_tokens)
                              for s in decodes))

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rvllm.kernels.triton.rms_norm import _rows
 from rvllm.kernels.triton.split_k import PROGRAMS_PER_SM, num_sms
 
 # Rows up to which a step takes the fused GEMVs (as the int4 GEMV, ``w4a16``): past a few
@@ -110,11 +111,6 @@ def choose_block_n(n: int, device: torch.device) -> int:
         if triton.cdiv(n, block) >= want:
             return block
     return 4
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _launch(prologue: int, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
