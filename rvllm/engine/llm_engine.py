@@ -6,9 +6,8 @@ import itertools
 import logging
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from rvllm.engine.engine_startup import (
     start_tensor_parallel,
 )
 from rvllm.engine.idle_work import IdleWork
+from rvllm.engine.request import Request, logprob_entry, make_output
 from rvllm.engine.scheduler import Scheduler, SchedulerOutput
 from rvllm.engine.sequence import Sequence, SequenceStatus
 from rvllm.engine.stop import check_stop
@@ -59,13 +59,11 @@ from rvllm.layers.cpu_linear import (
     reorder_pending,
     set_packed_activations,
 )
-from rvllm.layers.sampler import speculation_allowed
 from rvllm.malloc import release_freed_memory
 from rvllm.models.loader import load_model
-from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from rvllm.outputs import RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
-from rvllm.spec_decode.config import SpeculativeConfig
-from rvllm.spec_decode.ngram import propose_ngram
+from rvllm.spec_decode.speculator import SpecDecodeStats, Speculator
 from rvllm.structured_output import StructuredOutputManager
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -76,28 +74,9 @@ logger = logging.getLogger("rvllm")
 # system (malloc_trim): glibc keeps large freed arenas otherwise.
 _TRIM_AFTER_PROMPT_LEN = 100_000
 
-# The longest a sequence waits before proposing again after drafts that did not pay.
-_MAX_BACKOFF_STEPS = 64
-
 # How long a failed collective waits for a tensor-parallel worker's exit to be reported
 # before the failure is taken for something other than a dead worker.
 _WORKER_EXIT_GRACE_S = 5.0
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    sent_tokens: list[int] = field(default_factory=list)
-    grammar: Future | None = None  # its structured-output grammar, compiling or compiled
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -218,8 +197,8 @@ class LLMEngine:
                 self.tp_group.shutdown()  # never leave workers or the process group behind
             raise
         # A draft model or self-draft (--speculative-config), over the same block ids.
-        self.drafter = start_drafter(args, self.model, self.model_config,
-                                     num_blocks + int(use_graphs), kv_dtype, self.device)
+        drafter = start_drafter(args, self.model, self.model_config,
+                                num_blocks + int(use_graphs), kv_dtype, self.device)
         if args.speculative_config is not None and use_graphs:
             logger.info("speculative decoding: verifying steps (and a model proposer's "
                         "drafts) run eagerly; plain decode steps replay the CUDA graphs")
@@ -243,7 +222,10 @@ class LLMEngine:
         # Requests whose grammar is still compiling: the scheduler sees them once it is.
         self._grammar_wait: list[Request] = []
         self.speculative_config = args.speculative_config
-        self.spec_stats = _SpecStats(self.speculative_config)
+        self.speculator = (None if self.speculative_config is None
+                           else Speculator(self.speculative_config, drafter))
+        self.spec_stats = (SpecDecodeStats(None) if self.speculator is None
+                           else self.speculator.stats)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -526,14 +508,14 @@ class LLMEngine:
 
     def _step_sync(self) -> list[RequestOutput]:
         failed = self._admit_grammars() if self._grammar_wait else []
-        if self.speculative_config is not None:
-            self._propose_drafts()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         started = time.perf_counter()
-        if self.speculative_config is not None:
-            self._trim_drafts(sched)
-            if self.drafter is not None:
-                self._fill_drafts(sched)
+        if self.speculator is not None:
+            self.speculator.trim(sched, [*self.scheduler.running, *sched.preempted,
+                                         *self.scheduler.swapped])
+            self.speculator.fill(sched, self.scheduler.running)
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting request.")
@@ -549,9 +531,9 @@ class LLMEngine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
         step_outputs = self._execute(sched)
-        if self.speculative_config is not None:
-            self.spec_stats.time_step(sched, time.perf_counter() - started)
-            self._settle_drafts(step_outputs)
+        if self.speculator is not None:
+            self.speculator.stats.time_step(sched, time.perf_counter() - started)
+            self.speculator.settle(step_outputs)
         self.idle.stepped()
         if sched.num_batched_tokens > PENDING_GEMM_MAX_ROWS:
             # Deferred oneDNN packing, under load: a layer a step, on steps that a packed
@@ -683,100 +665,6 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def _propose_drafts(self) -> None:
-        """Propose the next tokens of every running sequence that decodes and may
-        speculate, appended to its tokens so that the scheduler gives it their slots."""
-        config = self.speculative_config
-        assert config is not None
-        running = self.scheduler.running
-        if len(running) > config.disable_by_batch_size:
-            return
-        for seq in running:
-            if seq.num_computed_tokens != seq.num_tokens - 1 or not speculation_allowed(
-                    seq.params, seq.num_output_tokens):
-                continue
-            if seq.spec_skip > 0:
-                seq.spec_skip -= 1
-                continue
-            if (seq.spec_gain is None and seq.spec_backoff == 0 and self.drafter is not None
-                    and not self.spec_stats.worth_it(self.spec_stats.gain)):
-                # A model's drafts cost a pass each: where they have not paid lately on
-                # the other sequences, a new one waits the longest before it tries.
-                seq.spec_backoff = seq.spec_skip = _MAX_BACKOFF_STEPS
-                continue
-            if seq.spec_backoff == 0 and not self.spec_stats.worth_it(seq.spec_gain):
-                # Not paying lately: wait, then one try (a back-off's end) to measure anew.
-                self._back_off(seq)
-                continue
-            # Never past max_tokens or the context: the drafts and the target's token.
-            k = min(config.num_speculative_tokens,
-                    seq.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens - 1)
-            if k < 1:
-                continue
-            if self.drafter is not None:
-                # Placeholders: the draft model fills them once the step is scheduled.
-                draft = [seq.token_ids[-1]] * k
-            else:
-                draft = propose_ngram(seq.token_ids, k, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
-            if draft:
-                seq.spec_tokens = draft
-                seq.token_ids.extend(draft)
-
-    def _trim_drafts(self, sched: SchedulerOutput) -> None:
-        """Keep of each sequence's drafts the ones its scheduled tokens cover; a sequence
-        not scheduled, preempted or swapped out loses them."""
-        scheduled = {id(s.seq): s.num_new_tokens for s in sched.scheduled}
-        for seq in list(self.scheduler.running) + sched.preempted + list(self.scheduler.swapped):
-            if seq.spec_tokens:
-                keep = max(0, min(len(seq.spec_tokens), scheduled.get(id(seq), 1) - 1))
-                self._drop_drafts(seq, keep)
-
-    def _fill_drafts(self, sched: SchedulerOutput) -> None:
-        """The draft model's (or self-draft's) tokens in place of the placeholders that
-        each scheduled sequence kept."""
-        assert self.drafter is not None
-        pending = [(s.seq, len(s.seq.spec_tokens)) for s in sched.scheduled
-                   if s.seq.spec_tokens]
-        if pending:
-            self.drafter.fill(pending, {seq.seq_id for seq in self.scheduler.running})
-
-    @staticmethod
-    def _drop_drafts(seq: Sequence, keep: int = 0) -> None:
-        """Take a sequence's drafts past the first ``keep`` back out of its tokens."""
-        extra = len(seq.spec_tokens) - keep
-        if extra > 0:
-            del seq.token_ids[len(seq.token_ids) - extra:]
-        seq.spec_tokens = seq.spec_tokens[:keep]
-
-    def _settle_drafts(self, outputs: list[SeqStepOutput]) -> None:
-        """After verification: drafts out of the tokens (the engine appends the kept ones
-        as tokens), the counters, each sequence's tokens per verifying step (an average
-        over its last few), and its back-off: one that kept nothing waits before it
-        proposes again."""
-        for out in outputs:
-            seq = out.seq
-            if not seq.spec_tokens:
-                continue
-            self._drop_drafts(seq)
-            self.spec_stats.add(out.num_drafts, out.num_accepted)
-            gain = 1.0 + out.num_accepted
-            seq.spec_gain = gain if seq.spec_gain is None else 0.7 * seq.spec_gain + 0.3 * gain
-            if out.num_accepted == 0 or not self.spec_stats.worth_it(seq.spec_gain):
-                self._back_off(seq)
-            else:
-                seq.spec_backoff = 0
-        self.spec_stats.maybe_log()
-
-    @staticmethod
-    def _back_off(seq: Sequence) -> None:
-        """Wait 1, 2, 4, ... up to 64 steps before proposing again, then try once: a
-        sequence whose text turns to quoting is found again, at the cost of one verifying
-        step in 64 where it does not pay."""
-        seq.spec_backoff = min(_MAX_BACKOFF_STEPS, max(1, 2 * seq.spec_backoff))
-        seq.spec_skip = seq.spec_backoff
-
     def snapshot_counters(self) -> dict[str, Any]:
         """The structured-output and speculative-decoding counters of ``EngineSnapshot``."""
         so = self.structured_outputs
@@ -822,7 +710,8 @@ class LLMEngine:
         seq.cumulative_logprob += logprob
         self.stats["generation_tokens"] += 1
         if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(token, logprob, top_ids, top_logprobs))
+            seq.logprobs.append(logprob_entry(self.tokenizer, token, logprob, top_ids,
+                                              top_logprobs))
         delta = seq.detokenizer.add_token(token) if seq.detokenizer is not None else ""
         seq.text += delta
         metrics = self.requests[seq.request_id].metrics
@@ -848,130 +737,20 @@ class LLMEngine:
             return SequenceStatus.FINISHED_ERROR
         return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_terminated() else None
 
-    def _logprob_entry(self, token: int, logprob: float, top_ids: list[int] | None,
-                       top_lps: list[float] | None) -> dict[int, Logprob]:
-        entry: dict[int, Logprob] = {}
-        rank = None
-        for r, (tid, lp) in enumerate(zip(top_ids or [], top_lps or []), start=1):
-            entry[tid] = Logprob(lp, r, self._decode_one(tid))
-            if tid == token:
-                rank = r
-        chosen = entry.get(token)
-        entry[token] = Logprob(logprob, rank if chosen is None else chosen.rank,
-                               self._decode_one(token))
-        # The chosen token first, as vLLM orders it.
-        return {token: entry[token], **{k: v for k, v in entry.items() if k != token}}
-
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _add_prompt_logprobs(self, out: SeqStepOutput) -> None:
         seq = out.seq
         assert out.prompt_logprobs is not None and out.prompt_next_ids is not None
         next_lps, top_ids, top_lps = out.prompt_logprobs
         for j, token in enumerate(out.prompt_next_ids):
             seq.prompt_logprobs.append(  # type: ignore[union-attr]
-                self._logprob_entry(token, next_lps[j], top_ids[j], top_lps[j])
+                logprob_entry(self.tokenizer, token, next_lps[j], top_ids[j], top_lps[j])
             )
 
     def _make_output(self, request: Request, now: float) -> RequestOutput:
-        finished = request.finished
-        outputs = []
-        counts = []
-        for seq in request.seqs:
-            completion = CompletionOutput(
-                index=seq.index,
-                text=_visible_text(seq),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs,
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            outputs.append(completion)
-            counts.append(seq.num_output_tokens - request.sent_tokens[seq.index])
-            request.sent_tokens[seq.index] = seq.num_output_tokens
-        if finished:
-            request.metrics.finished_time = now
+        output = make_output(request, now)
+        if output.finished:
             self.requests.pop(request.request_id, None)
-        first = request.seqs[0]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            metrics=request.metrics,
-            num_cached_tokens=first.num_cached_tokens,
-            new_token_counts=counts,
-        )
-
-
-class _SpecStats:
-    """Speculative decoding's counters, under vLLM's metric names, and its log line."""
-
-    LOG_INTERVAL_S = 10.0
-
-    def __init__(self, config: SpeculativeConfig | None) -> None:
-        k = config.num_speculative_tokens if config is not None else 0
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * k
-        self._logged = (0, 0, time.monotonic())
-        # Averages of a verifying step's and a plain decode step's seconds.
-        self.verify_s: float | None = None
-        self.decode_s: float | None = None
-        # Tokens per verifying step over every sequence's recent ones.
-        self.gain: float | None = None
-
-    def time_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A step's time, into the average of verifying steps or of plain decode steps
-        (steps with a prefill in them count in neither)."""
-        if any(s.seq.spec_tokens for s in sched.scheduled):
-            self.verify_s = _ema(self.verify_s, seconds)
-        elif all(s.num_new_tokens == 1 for s in sched.scheduled):
-            self.decode_s = _ema(self.decode_s, seconds)
-
-    def worth_it(self, gain: float | None) -> bool:
-        """Whether a sequence that has made ``gain`` tokens per verifying step lately
-        should propose: a verifying step must make more tokens than it costs decode
-        steps (on the CPU a step of five rows of SmolLM2's packed weights cost about 2.6
-        one-row steps). Unknown costs or gain: try."""
-        if gain is None or self.verify_s is None or self.decode_s is None:
-            return True
-        return gain > self.verify_s / self.decode_s
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        self.gain = _ema(self.gain, 1.0 + accepted, 0.1)
-        for pos in range(accepted):
-            self.accepted_per_pos[pos] += 1
-
-    def maybe_log(self) -> None:
-        drafts, accepted, at = self._logged
-        now = time.monotonic()
-        if now - at < self.LOG_INTERVAL_S or self.num_drafts == drafts:
-            return
-        new_drafts = self.num_drafts - drafts
-        new_accepted = self.num_accepted_tokens - accepted
-        logger.info("speculative decoding: mean acceptance length %.2f over %d drafts "
-                    "(%d of their tokens accepted)", 1 + new_accepted / new_drafts,
-                    new_drafts, new_accepted)
-        self._logged = (self.num_drafts, self.num_accepted_tokens, now)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_accepted_per_pos": tuple(self.accepted_per_pos)}
-
-
-def _ema(average: float | None, value: float, weight: float = 0.2) -> float:
-    return value if average is None else (1.0 - weight) * average + weight * value
+        return output
 
 
 def _resident_memory_bytes() -> int:
@@ -984,15 +763,6 @@ def _resident_memory_bytes() -> int:
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _visible_text(seq: Sequence) -> str:
-    """While a stop string could still be forming at the end, hold that tail back."""
-    stops = seq.params.stop
-    if seq.status.is_finished or not stops or seq.params.include_stop_str_in_output:
-        return seq.text
-    hold = max(len(s) for s in stops) - 1
-    return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
 
 
 def _as_list(value: Any) -> list[int]:
