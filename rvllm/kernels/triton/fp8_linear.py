@@ -24,7 +24,12 @@ import triton
 import triton.language as tl
 
 from rvllm.kernels.triton.decode_attention import dot_precision
-from rvllm.kernels.triton.split_k import choose_split, reduce_partials
+from rvllm.kernels.triton.split_k import (
+    gemm_tiles,
+    reduce_partials,
+    split_target,
+    store_tile,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # E4M3's largest finite magnitude
@@ -71,14 +76,8 @@ def _fp8_gemv_kernel(
                      other=0.0).to(tl.float32)  # [BM, BK]
         acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
     acc *= tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * out_stride_m + n[None, :]
-    if SPLIT:
-        tl.store(out_ptrs + split * out_stride_s, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, m, n, m_mask, n_mask, split, out_stride_s,
+               out_stride_m, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -109,14 +108,8 @@ def _fp8_gemm_kernel(
                     other=0.0).to(xv.dtype)  # [BK, BN]
         acc = tl.dot(xv, w, acc, input_precision=PRECISION)
     acc *= tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * out_stride_m + n[None, :]
-    if SPLIT:
-        tl.store(out_ptrs + split * out_stride_s, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, m, n, m_mask, n_mask, split, out_stride_s,
+               out_stride_m, HAS_BIAS, SPLIT)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -147,19 +140,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         # The broadcast product is [BLOCK_M, BLOCK_N, BLOCK_K]: keep it at 8K elements.
         block_n, block_k = block_n or 32, block_k or 256 // block_m
     else:
-        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        block_n = block_n or (64 if rows <= 64 else 128)
+        block_m, block_n, m_tiles = gemm_tiles(rows, block_n)
         block_k = block_k or 64
-        m_tiles = triton.cdiv(rows, block_m)
     n_tiles = triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    split = split_k or choose_split(m_tiles * n_tiles, k_blocks, x.device)
-    per_split = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
-    split = triton.cdiv(k_blocks, per_split)
-    if split > 1:
-        target = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    else:
-        target = out.unsqueeze(0)
+    split, per_split, target = split_target(split_k, m_tiles * n_tiles,
+                                            triton.cdiv(k, block_k), out)
     args = (x2, weight, scale, bias if bias is not None else x2, target,
             rows, n, k, per_split, x2.stride(0), weight.stride(0),
             target.stride(0), target.stride(1))

@@ -43,6 +43,46 @@ def choose_split(tiles: int, steps: int, device: torch.device) -> int:
     return max(1, min(want, steps))
 
 
+def split_target(split_k: int | None, tiles: int, steps: int, out: torch.Tensor
+                 ) -> tuple[int, int, torch.Tensor]:
+    """(split, loop iterations per slice, what the kernel writes) for a launch over
+    ``tiles`` output tiles whose reduction is ``steps`` iterations, into ``out`` [M, N]:
+    ``split_k`` slices (None: ``choose_split``'s), as many as the iterations cut evenly
+    into need. Split, the kernel writes float32 partial sums [split, M, N] that
+    ``reduce_partials`` adds up; else ``out`` itself, as [1, M, N]."""
+    split = split_k or choose_split(tiles, steps, out.device)
+    per_split = triton.cdiv(steps, max(1, min(split, steps)))
+    split = triton.cdiv(steps, per_split)
+    if split == 1:
+        return split, per_split, out.unsqueeze(0)
+    rows, n = out.shape
+    return split, per_split, torch.empty(split, rows, n, dtype=torch.float32,
+                                         device=out.device)
+
+
+def gemm_tiles(rows: int, block_n: int | None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, row tiles) of the quantized kernels' ``tl.dot`` GEMMs: tiles of
+    16 to 64 rows, 64 or 128 outputs unless ``block_n`` says."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return block_m, block_n or (64 if rows <= 64 else 128), triton.cdiv(rows, block_m)
+
+
+@triton.jit
+def store_tile(acc, out_ptr, bias_ptr, m, n, m_mask, n_mask, split, out_stride_s,
+               out_stride_m, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's float32 sums [BLOCK_M, BLOCK_N] for rows ``m`` and outputs ``n``:
+    under split-K its slice's partial sums at ``split`` (``reduce_partials`` adds them up
+    and the bias), else with the bias added, in the output's dtype."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    ptrs = out_ptr + m.to(tl.int64)[:, None] * out_stride_m + n[None, :]
+    if SPLIT:
+        tl.store(ptrs + split * out_stride_s, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _reduce_kernel(
     partial_ptr, bias_ptr, out_ptr, N, split, partial_stride_s, partial_stride_m,

@@ -43,7 +43,12 @@ import triton
 import triton.language as tl
 
 from rvllm.kernels.triton.decode_attention import dot_precision
-from rvllm.kernels.triton.split_k import choose_split, reduce_partials
+from rvllm.kernels.triton.split_k import (
+    gemm_tiles,
+    reduce_partials,
+    split_target,
+    store_tile,
+)
 
 # Rows up to which w4a16_linear takes the GEMV: past a few rows its float32 multiply-adds
 # per weight, not the weight's bytes, would bound it, and tl.dot's tiles of 16 rows win.
@@ -186,14 +191,8 @@ def _w4a16_gemv_kernel(
             xq = tl.sum(xv[:, None, :] * q[None, :, :], axis=2)  # [BM, BN]
             x_sum = tl.sum(xv, axis=1)
             acc += s[None, :] * (xq - x_sum[:, None] * z[None, :])
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * out_stride_m + n[None, :]
-    if SPLIT:
-        tl.store(out_ptrs + split * out_stride_s, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, m, n, m_mask, n_mask, split, out_stride_s,
+               out_stride_m, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -227,14 +226,8 @@ def _w4a16_gemm_kernel(
                          other=0.0)  # [BM, PLANE]
             w = ((_nibbles(words, j) - z[None, :]) * s[None, :]).to(xv.dtype)
             acc = tl.dot(xv, w, acc, input_precision=PRECISION)
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * out_stride_m + n[None, :]
-    if SPLIT:
-        tl.store(out_ptrs + split * out_stride_s, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(acc, out_ptr, bias_ptr, m, n, m_mask, n_mask, split, out_stride_s,
+               out_stride_m, HAS_BIAS, SPLIT)
 
 
 def w4a16_linear(x: torch.Tensor, packed: W4A16Weight, bias: torch.Tensor | None = None,
@@ -260,21 +253,11 @@ def w4a16_linear(x: torch.Tensor, packed: W4A16Weight, bias: torch.Tensor | None
     num_chunks = packed.num_chunks
     gemv = rows <= gemv_max_rows
     if gemv:
-        block_m = triton.next_power_of_2(rows)
-        block_n = block_n or 32
-        m_tiles = 1
+        block_m, block_n, m_tiles = triton.next_power_of_2(rows), block_n or 32, 1
     else:
-        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        block_n = block_n or (64 if rows <= 64 else 128)
-        m_tiles = triton.cdiv(rows, block_m)
+        block_m, block_n, m_tiles = gemm_tiles(rows, block_n)
     n_tiles = triton.cdiv(n, block_n)
-    split = split_k or choose_split(m_tiles * n_tiles, num_chunks, x.device)
-    per_split = triton.cdiv(num_chunks, max(1, min(split, num_chunks)))
-    split = triton.cdiv(num_chunks, per_split)
-    if split > 1:
-        target = torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    else:
-        target = out.unsqueeze(0)
+    split, per_split, target = split_target(split_k, m_tiles * n_tiles, num_chunks, out)
     args = (x2, packed.qweight, packed.scale, packed.zero,
             bias if bias is not None else x2, target,
             rows, n, k, num_chunks, per_split,
