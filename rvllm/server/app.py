@@ -105,7 +105,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
               cors: dict[str, Any] | None = None, dashboard: bool = True,
-              dashboard_show_prompts: bool = False) -> FastAPI:
+              dashboard_show_prompts: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
     whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
@@ -113,7 +114,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     ``allow_credentials``, each defaulting as vLLM's flags do) puts Starlette's
     CORSMiddleware in front of every route; None leaves CORS out. ``dashboard`` serves the
     live dashboard (``/dashboard`` and ``/v1/engine/stats``), with the prompts of the
-    live requests if ``dashboard_show_prompts``."""
+    live requests if ``dashboard_show_prompts``. ``reasoning_parser`` splits chat output
+    into ``reasoning`` and ``content``."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,7 +137,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     serving_engine: Any = engine if board is None else board.track()
     completions = CompletionServing(serving_engine, served_model_name)
     chat = ChatServing(serving_engine, served_model_name, tool_call_parser,
-                       enable_auto_tool_choice)
+                       enable_auto_tool_choice, reasoning_parser)
     started = int(time.time())
     fastapi_openapi = app.openapi
 
@@ -267,9 +269,10 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
 
 
 def app_options(ns: argparse.Namespace) -> dict[str, Any]:
-    """``build_app``'s CORS and dashboard options from the flags."""
+    """``build_app``'s CORS, dashboard and reasoning-parser options from the flags."""
     return {"cors": cors_options(ns), "dashboard": not ns.disable_dashboard,
-            "dashboard_show_prompts": ns.dashboard_show_prompts}
+            "dashboard_show_prompts": ns.dashboard_show_prompts,
+            "reasoning_parser": ns.reasoning_parser}
 
 
 def served_name(ns: argparse.Namespace, model_path: str) -> str:

@@ -12,6 +12,8 @@ from rvllm.cli_args import add_engine_args
 # The --tool-call-parser names (server/tool_parsers.py's TOOL_PARSERS, kept here so the
 # CLI parses without importing the server).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# The --reasoning-parser names (server/reasoning_parsers.py's REASONING_PARSERS).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes, "
                         "SmolLM2's <tool_call> form), llama3_json (Llama 3.1/3.2), mistral")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat output into reasoning (<think>...</think>) and content: "
+                        "deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3")
     g.add_argument("--disable-dashboard", action="store_true",
                    help="do not serve the live dashboard (/dashboard) and its data "
                         "(/v1/engine/stats)")

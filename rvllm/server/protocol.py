@@ -520,6 +520,9 @@ class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ChatToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the model's reasoning, under vLLM's name and its older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatTokenLogprob(BaseModel):
@@ -576,6 +579,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

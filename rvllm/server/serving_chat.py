@@ -15,6 +15,11 @@ from rvllm.outputs import Logprob, RequestOutput
 from rvllm.sampling_params import StructuredOutputsParams
 from rvllm.server.errors import APIError, bad_request, error_event
 from rvllm.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from rvllm.server.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
 from rvllm.server.serving import (
     DONE,
     PARAM_FIELDS,
@@ -38,10 +43,13 @@ class ChatServing(ServingBase):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: Any, model_name: str, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False) -> None:
+                 enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None) -> None:
         super().__init__(engine, model_name)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = (get_reasoning_parser(reasoning_parser)
+                                 if reasoning_parser else None)
 
     async def create(self, body: bytes, request: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
@@ -64,28 +72,46 @@ class ChatServing(ServingBase):
                 err.param = "max_completion_tokens"  # the name the client used
             raise err from e
         tools.constrain(params)
+        thinking = self._thinking(req, tools, prompt_ids)
         request_id = self.new_id()
         streams = await self.add_requests(request_id, [prompt_ids], params,
                                           final_only=not req.stream,
                                           constraint_field=tools.field(req))
         if req.stream:
-            return self.sse_response(self._stream(req, tools, request_id, streams[0]),
-                                     streams)
+            return self.sse_response(
+                self._stream(req, tools, thinking, request_id, streams[0]), streams)
         try:
             (final,) = await self.collect(streams, request)
         finally:
             self.abort_unfinished(streams)
-        return JSONResponse(self._response(req, tools, request_id, final))
+        return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
-    def _response(self, req: ChatCompletionRequest, tools: _ToolUse, request_id: str,
-                  final: RequestOutput) -> dict[str, Any]:
+    def _thinking(self, req: ChatCompletionRequest, tools: _ToolUse, prompt_ids: list[int]
+                  ) -> _Thinking | None:
+        """How this request's output splits into reasoning and content; None without a
+        reasoning parser. A constrained request (structured output, a forced tool call)
+        is not split: its constraint holds from the first token, so all is content."""
+        if self.reasoning_parser is None:
+            return None
+        constrained = tools.mode in ("named", "required") or _has_constraint(req)
+        tail = self.engine.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:],
+                                            skip_special_tokens=False)
+        return _Thinking(None if constrained else self.reasoning_parser, tail)
+
+    def _response(self, req: ChatCompletionRequest, tools: _ToolUse,
+                  thinking: _Thinking | None, request_id: str, final: RequestOutput
+                  ) -> dict[str, Any]:
         choices = []
         for c in final.outputs:
-            content, calls = tools.extract(c.text)
+            reasoning, text = (None, c.text) if thinking is None else thinking.extract(c.text)
+            content, calls = tools.extract(text) if text is not None else (None, [])
+            message: dict[str, Any] = {"role": "assistant", "content": content,
+                                       "tool_calls": [_tool_call_json(call) for call in calls]}
+            if thinking is not None:
+                message["reasoning"] = message["reasoning_content"] = reasoning
             choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": content,
-                            "tool_calls": [_tool_call_json(call) for call in calls]},
+                "message": message,
                 "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                 if req.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, calls),
@@ -99,8 +125,9 @@ class ChatServing(ServingBase):
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
 
-    async def _stream(self, req: ChatCompletionRequest, tools: _ToolUse, request_id: str,
-                      stream: RequestStream) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, tools: _ToolUse,
+                      thinking: _Thinking | None, request_id: str, stream: RequestStream
+                      ) -> AsyncIterator[str]:
         created = self.created()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
@@ -108,6 +135,8 @@ class ChatServing(ServingBase):
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         tool_streams = [tools.stream() for _ in range(req.n)]
+        reasoning_streams = [None if thinking is None else thinking.stream()
+                             for _ in range(req.n)]
         prompt_tokens = completion_tokens = 0
         try:
             # The role comes first, before any token, as OpenAI sends it.
@@ -131,15 +160,23 @@ class ChatServing(ServingBase):
                     logprobs = _chat_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
                                               req.top_logprobs or 0) if req.logprobs else None
                     finish_reason = c.finish_reason
+                    reasoning = ""
+                    if reasoning_streams[i] is not None:
+                        reasoning, text = _split_delta(reasoning_streams[i], text,
+                                                       bool(finish_reason))
                     if tool_streams[i] is None:
-                        delta = {"content": text} if text or not c.finish_reason else {}
+                        split = reasoning_streams[i] is not None
+                        delta = ({"content": text} if text or not (finish_reason or split)
+                                 else {})
                     else:
-                        delta = tool_streams[i].feed(text, bool(c.finish_reason))
+                        delta = tool_streams[i].feed(text, bool(finish_reason))
                         if finish_reason:
                             finish_reason = _finish_reason(finish_reason,
                                                            tool_streams[i].tool_calls)
-                        elif not delta and logprobs is None:
-                            continue  # held back: it may be the start of a tool call
+                    if reasoning:
+                        delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
+                    if not (delta or finish_reason or logprobs is not None):
+                        continue  # held back: a marker or tool call may be starting
                     chunks.append(sse({**head, "choices": [
                         {"index": i, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason, "stop_reason": c.stop_reason}],
@@ -154,6 +191,38 @@ class ChatServing(ServingBase):
         finally:
             self.abort_unfinished([stream])
         yield DONE
+
+
+# Tokens at the end of a rendered prompt in which a reasoning parser looks for the chat
+# template's own <think> or </think> (its generation prompt).
+_PROMPT_TAIL_TOKENS = 32
+
+
+class _Thinking:
+    """One request's reasoning split: the server's reasoning parser (None: the output is
+    all content) and the end of the request's prompt, which may open or close the block."""
+
+    def __init__(self, parser: ReasoningParser | None, prompt_tail: str) -> None:
+        self.parser = parser
+        self.prompt_tail = prompt_tail
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        if self.parser is None:
+            return None, text
+        return self.parser.extract(text, self.prompt_tail)
+
+    def stream(self) -> ReasoningStream | None:
+        return None if self.parser is None else self.parser.start_stream(self.prompt_tail)
+
+
+def _split_delta(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
+    """A streamed choice's new text as (reasoning, content); at the end, with whatever
+    the stream held back."""
+    reasoning, content = stream.feed(text)
+    if final:
+        more_reasoning, more_content = stream.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return reasoning, content
 
 
 class _ToolUse:

@@ -45,7 +45,7 @@ class StreamDelta:
 
 
 
-def _partial_marker_len(buf: str, pos: int, marker: str) -> int:
+def partial_marker_len(buf: str, pos: int, marker: str) -> int:
     """Length of the longest tail of ``buf[pos:]`` that is a proper prefix of ``marker``."""
     for size in range(min(len(marker) - 1, len(buf) - pos), 0, -1):
         if buf.endswith(marker[:size]):
@@ -171,7 +171,7 @@ class ToolCallStream:
             self._begin_block(found)
             self._pos = found + len(marker)
             return True
-        end = len(buf) - (0 if final else _partial_marker_len(buf, self._pos, marker))
+        end = len(buf) - (0 if final else partial_marker_len(buf, self._pos, marker))
         self._text(buf[self._pos:end])
         self._pos = end
         return False
