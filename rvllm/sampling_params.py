@@ -23,6 +23,9 @@ class StructuredOutputsParams:
     - ``grammar``: a context-free grammar, in Lark syntax (or GBNF/EBNF with ``::=``);
     - ``json_object``: ``True`` for any JSON object.
 
+    ``starts_after``: token ids after which the constraint applies, the output before
+    them and they themselves free (a reasoning model's end of thinking, which the server
+    sets under ``--reasoning-parser``); None: from the first token.
     ``disable_any_whitespace`` keeps JSON to compact separators (no free whitespace);
     ``disable_additional_properties`` treats a schema's objects as closed unless they say
     otherwise; ``whitespace_pattern`` is a regex for the whitespace JSON may use.
@@ -37,6 +40,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    starts_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_OUTPUT_KINDS
@@ -67,6 +71,13 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json_object may only be true.")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string.")
+        if self.starts_after is not None:
+            if not isinstance(self.starts_after, (list, tuple)) or not self.starts_after:
+                raise ValueError("structured_outputs.starts_after must be a non-empty list "
+                                 "of token ids.")
+            for t in self.starts_after:
+                _check_int("structured_outputs.starts_after", t, low=0)
+            self.starts_after = list(self.starts_after)
 
     @property
     def kind(self) -> str:

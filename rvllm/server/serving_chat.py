@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from rvllm.sampling_params import StructuredOutputsParams
 from rvllm.server.errors import APIError, bad_request, error_event
 from rvllm.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from rvllm.server.reasoning_parsers import (
+    THINK_END,
     ReasoningParser,
     ReasoningStream,
     get_reasoning_parser,
@@ -72,7 +74,7 @@ class ChatServing(ServingBase):
                 err.param = "max_completion_tokens"  # the name the client used
             raise err from e
         tools.constrain(params)
-        thinking = self._thinking(req, tools, prompt_ids)
+        thinking = self._thinking(prompt_ids, params)
         request_id = self.new_id()
         streams = await self.add_requests(request_id, [prompt_ids], params,
                                           final_only=not req.stream,
@@ -86,24 +88,26 @@ class ChatServing(ServingBase):
             self.abort_unfinished(streams)
         return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
-    def _thinking(self, req: ChatCompletionRequest, tools: _ToolUse, prompt_ids: list[int]
-                  ) -> _Thinking | None:
+    def _thinking(self, prompt_ids: list[int], params: Any) -> _Thinking | None:
         """How this request's output splits into reasoning and content; None without a
-        reasoning parser. A constrained request (structured output, a forced tool call)
-        is not split: its constraint holds from the first token, so all is content."""
+        reasoning parser. A constraint (structured output, a forced tool call) starts
+        after the reasoning's </think>, unless the prompt has closed the block."""
         if self.reasoning_parser is None:
             return None
-        constrained = tools.mode in ("named", "required") or _has_constraint(req)
-        tail = self.engine.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:],
-                                            skip_special_tokens=False)
-        return _Thinking(None if constrained else self.reasoning_parser, tail)
+        tokenizer = self.engine.tokenizer
+        tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        constraint = params.structured_outputs
+        if constraint is not None and self.reasoning_parser.may_think(tail):
+            constraint.starts_after = tokenizer.encode(THINK_END, add_special_tokens=False)
+        return _Thinking(self.reasoning_parser, tail)
 
     def _response(self, req: ChatCompletionRequest, tools: _ToolUse,
                   thinking: _Thinking | None, request_id: str, final: RequestOutput
                   ) -> dict[str, Any]:
         choices = []
         for c in final.outputs:
-            reasoning, text = (None, c.text) if thinking is None else thinking.extract(c.text)
+            reasoning, text = (None, c.text) if thinking is None else thinking.parser.extract(
+                c.text, thinking.prompt_tail)
             content, calls = tools.extract(text) if text is not None else (None, [])
             message: dict[str, Any] = {"role": "assistant", "content": content,
                                        "tool_calls": [_tool_call_json(call) for call in calls]}
@@ -135,7 +139,8 @@ class ChatServing(ServingBase):
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         tool_streams = [tools.stream() for _ in range(req.n)]
-        reasoning_streams = [None if thinking is None else thinking.stream()
+        reasoning_streams = [None if thinking is None
+                             else thinking.parser.start_stream(thinking.prompt_tail)
                              for _ in range(req.n)]
         prompt_tokens = completion_tokens = 0
         try:
@@ -198,21 +203,13 @@ class ChatServing(ServingBase):
 _PROMPT_TAIL_TOKENS = 32
 
 
+@dataclass
 class _Thinking:
-    """One request's reasoning split: the server's reasoning parser (None: the output is
-    all content) and the end of the request's prompt, which may open or close the block."""
+    """One request's reasoning split: the server's reasoning parser, and the end of the
+    request's prompt, which may open or close the block."""
 
-    def __init__(self, parser: ReasoningParser | None, prompt_tail: str) -> None:
-        self.parser = parser
-        self.prompt_tail = prompt_tail
-
-    def extract(self, text: str) -> tuple[str | None, str | None]:
-        if self.parser is None:
-            return None, text
-        return self.parser.extract(text, self.prompt_tail)
-
-    def stream(self) -> ReasoningStream | None:
-        return None if self.parser is None else self.parser.start_stream(self.prompt_tail)
+    parser: ReasoningParser
+    prompt_tail: str
 
 
 def _split_delta(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
