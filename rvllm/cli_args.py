@@ -118,6 +118,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4, "disable_by_batch_size": 4}: prompt '
                         "lookup proposes tokens that the model verifies in one step; the "
                         "output is the same as without it")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="request defaults for the sampling fields a request leaves unset "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty; "
+                        "max_new_tokens caps max_tokens): auto = the model's "
+                        "generation_config.json, vllm = none, or a folder holding one")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='keys set on top of --generation-config, as JSON: '
+                        '{"temperature": 0.5}')
     g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help='structured output\'s grammar engine and defaults, as JSON: '
                         '{"backend": "auto" | "guidance" | "xgrammar", '
@@ -160,6 +168,8 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         distributed_executor_backend=ns.distributed_executor_backend,
         structured_outputs_config=ns.structured_outputs_config,
+        generation_config=ns.generation_config,
+        override_generation_config=ns.override_generation_config,
         speculative_config=ns.speculative_config,
         model_impl=ns.model_impl,
         jax_platform=ns.jax_platform,

@@ -334,6 +334,10 @@ class EngineArgs:
     # The grammar engine and JSON defaults of structured output (a dict or JSON text is
     # parsed into StructuredOutputsConfig).
     structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
+    # Request defaults from the model's generation_config.json (auto), a folder's, or
+    # none (vllm); and keys set on top of them (a dict or JSON text). generation_config.py
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
 
     # Speculative decoding (vLLM's JSON; a dict or JSON text is parsed into
     # spec_decode.config.SpeculativeConfig). None: off.
@@ -348,7 +352,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self.structured_outputs_config = StructuredOutputsConfig.parse(
             self.structured_outputs_config)
+        from rvllm.generation_config import parse_override
         from rvllm.spec_decode.config import SpeculativeConfig
+
+        self.override_generation_config = parse_override(self.override_generation_config)
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.model_impl not in MODEL_IMPLS:
@@ -361,6 +368,14 @@ class EngineArgs:
             if self.model_impl != "jax":
                 raise ValueError("jax_platform is the JAX backend's: give it with "
                                  "model_impl='jax' (--model-impl jax).")
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What requests that leave a sampling field unset get
+        (``generation_config.sampling_defaults``)."""
+        from rvllm.generation_config import sampling_defaults
+
+        return sampling_defaults(self.resolve_model(), self.generation_config,
+                                 self.override_generation_config)
 
     def resolve_model(self) -> str:
         if self.model:

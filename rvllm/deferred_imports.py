@@ -48,6 +48,14 @@ def has_deferred() -> bool:
     return bool(_deferred)
 
 
+def import_for_generators() -> None:
+    """Import the deferred modules up to ``torch._prims`` now: torch (2.13) refuses to
+    make a ``torch.Generator`` before its ``rng_prims`` are in. For a seeded request, or
+    dummy weights, before idle time has brought them in."""
+    while "torch._prims" in _deferred:
+        import_next()
+
+
 def import_next() -> bool:
     """Import the next deferred module of torch; returns whether any are left."""
     if not _deferred:

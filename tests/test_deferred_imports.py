@@ -77,3 +77,30 @@ def test_a_deferred_import_that_fails_is_logged_and_the_rest_dropped(
     assert not deferred_imports.import_next()  # the engine's idle loop goes on
     assert not deferred_imports.has_deferred()
     assert "could not import torch._rvllm_no_such" in caplog.text
+
+
+SEEDED_BEFORE_IDLE = f"PROMPT = {PROMPT!r}\n" + """
+import json, sys
+from rvllm.deferred_imports import defer_torch_meta_registrations
+assert defer_torch_meta_registrations()
+from rvllm import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], load_format="dummy")  # dummy weights: drawn from a torch.Generator
+params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
+print(json.dumps(list(out)))
+"""
+
+
+def test_seeds_and_dummy_weights_work_before_the_deferred_imports(llama_dir: Path) -> None:
+    """torch refuses a Generator before torch._prims is in: a seeded request (or dummy
+    weights) brings it in at once, and samples as in a whole torch."""
+    from rvllm import LLM, SamplingParams
+
+    out = subprocess.run([sys.executable, "-c", SEEDED_BEFORE_IDLE, str(llama_dir)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    here = LLM(str(llama_dir), load_format="dummy").generate(
+        {"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == list(here)

@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none: the
+        model's generation config (``--generation-config``) over SamplingParams'."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -51,7 +56,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -20,6 +20,7 @@ from rvllm.config import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from rvllm.deferred_imports import import_for_generators
 from rvllm.engine.async_steps import (
     PLACEHOLDER,
     StepInFlight,
@@ -51,6 +52,7 @@ from rvllm.engine.stop import check_stop
 from rvllm.executor.device_tokens import resolve_outputs
 from rvllm.executor.kv_cache import determine_num_blocks
 from rvllm.executor.model_runner import ModelRunner, SeqStepOutput
+from rvllm.generation_config import log_defaults
 from rvllm.inputs import PromptType
 from rvllm.layers.cpu_linear import (
     PACKED_QUANTIZATIONS,
@@ -115,6 +117,9 @@ class LLMEngine:
             check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
+        # What requests that leave a sampling field unset get (--generation-config).
+        self.sampling_defaults = args.sampling_defaults()
+        log_defaults(self.sampling_defaults)
         self.tokenizer: Tokenizer | None = None
         self.cache_config = CacheConfig(
             block_size=args.block_size,
@@ -433,6 +438,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             # Sample i of a seeded request draws from seed + i, so n samples differ.
+            import_for_generators()
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         detok = None
         if self.tokenizer is None and params.stop:

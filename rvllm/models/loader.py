@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rvllm.config import ModelConfig
+from rvllm.deferred_imports import import_for_generators
 from rvllm.layers.cpu_linear import PACKED_QUANTIZATIONS, prepare_linear_weights
 from rvllm.models.registry import get_model_class
 
@@ -149,6 +150,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     cannot be had: small normal values, norms at one (so activations stay sane). The
     values are drawn where the weights live (a 7B model's 7.6e9 draws take seconds on a
     GPU and minutes on one CPU thread), so they differ between devices for one seed."""
+    import_for_generators()
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "norm" in name:

@@ -106,7 +106,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               enable_auto_tool_choice: bool = False,
               cors: dict[str, Any] | None = None, dashboard: bool = True,
               dashboard_show_prompts: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              default_sampling: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
     whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
@@ -115,7 +116,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     CORSMiddleware in front of every route; None leaves CORS out. ``dashboard`` serves the
     live dashboard (``/dashboard`` and ``/v1/engine/stats``), with the prompts of the
     live requests if ``dashboard_show_prompts``. ``reasoning_parser`` splits chat output
-    into ``reasoning`` and ``content``."""
+    into ``reasoning`` and ``content``. ``default_sampling`` (``EngineArgs.sampling_defaults``)
+    fills the sampling fields a request leaves unset."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,9 +137,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
              if dashboard else None)
     # The endpoints' engine: with the dashboard, one that also notes each request added.
     serving_engine: Any = engine if board is None else board.track()
-    completions = CompletionServing(serving_engine, served_model_name)
+    completions = CompletionServing(serving_engine, served_model_name, default_sampling)
     chat = ChatServing(serving_engine, served_model_name, tool_call_parser,
-                       enable_auto_tool_choice, reasoning_parser)
+                       enable_auto_tool_choice, reasoning_parser, default_sampling)
     started = int(time.time())
     fastapi_openapi = app.openapi
 
@@ -269,10 +271,14 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
 
 
 def app_options(ns: argparse.Namespace) -> dict[str, Any]:
-    """``build_app``'s CORS, dashboard and reasoning-parser options from the flags."""
+    """``build_app``'s CORS, dashboard, reasoning-parser and sampling-default options
+    from the flags."""
+    from rvllm.cli_args import engine_args_from_namespace
+
     return {"cors": cors_options(ns), "dashboard": not ns.disable_dashboard,
             "dashboard_show_prompts": ns.dashboard_show_prompts,
-            "reasoning_parser": ns.reasoning_parser}
+            "reasoning_parser": ns.reasoning_parser,
+            "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 
 
 def served_name(ns: argparse.Namespace, model_path: str) -> str:

@@ -188,8 +188,15 @@ class SamplingRequest(_Strict):
         return _check_count("stop_token_ids", ids, MAX_STOP_TOKEN_IDS)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; ValueError names the field out of range."""
+                        prompt_logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request; ValueError names the field out of range.
+        ``defaults`` (the model's generation config) stand in for the sampling fields
+        the request leaves unset, and their ``max_tokens`` caps the request's."""
+        defaults = defaults or {}
+        cap = defaults.get("max_tokens")
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
         bias = None
@@ -204,11 +211,12 @@ class SamplingRequest(_Strict):
             n=self.n,
             presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0),
-            temperature=_or(self.temperature, 1.0),
-            top_p=_or(self.top_p, 1.0),
-            top_k=_or(self.top_k, 0),
-            min_p=_or(self.min_p, 0.0),
+            repetition_penalty=_or(self.repetition_penalty,
+                                   defaults.get("repetition_penalty", 1.0)),
+            temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(self.top_p, defaults.get("top_p", 1.0)),
+            top_k=_or(self.top_k, defaults.get("top_k", 0)),
+            min_p=_or(self.min_p, defaults.get("min_p", 0.0)),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -53,9 +53,12 @@ class ServingBase:
     max_waiting_requests = 0
     RETRY_AFTER_S = 1
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 default_sampling: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        # The model's generation config: what a request's unset sampling fields become.
+        self.default_sampling = default_sampling or {}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -46,8 +46,9 @@ class ChatServing(ServingBase):
 
     def __init__(self, engine: Any, model_name: str, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None) -> None:
-        super().__init__(engine, model_name)
+                 reasoning_parser: str | None = None,
+                 default_sampling: dict[str, Any] | None = None) -> None:
+        super().__init__(engine, model_name, default_sampling)
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = (get_reasoning_parser(reasoning_parser)
@@ -67,7 +68,8 @@ class ChatServing(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         try:
-            params = req.sampling_params(max_tokens, logprobs, req.prompt_logprobs)
+            params = req.sampling_params(max_tokens, logprobs, req.prompt_logprobs,
+                                         self.default_sampling)
         except ValueError as e:
             err = bad_request(e, PARAM_FIELDS)
             if err.param == "max_tokens" and req.max_completion_tokens is not None:

@@ -44,7 +44,8 @@ class CompletionServing(ServingBase):
             # Echoed prompt tokens carry logprobs too: what lm-evaluation-harness scores.
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
         try:
-            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs,
+                                         self.default_sampling)
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
         request_id = self.new_id()
