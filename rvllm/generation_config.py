@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from rvllm.json_options import json_options
 from rvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("rvllm")
@@ -31,18 +32,7 @@ def parse_override(value: dict[str, Any] | str | None) -> dict[str, Any] | None:
     ValueError names what is wrong."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not valid JSON: {e}.") from None
-    if not isinstance(value, dict):
-        raise ValueError("override_generation_config must be a JSON object.")
-    unknown = sorted(set(value) - set(OVERRIDE_KEYS))
-    if unknown:
-        raise ValueError(f"override_generation_config has no key {unknown[0]!r}; it takes "
-                         f"{', '.join(OVERRIDE_KEYS)}.")
-    return dict(value)
+    return json_options(value, "override_generation_config", OVERRIDE_KEYS)
 
 
 def sampling_defaults(model_path: str, generation_config: str = "auto",
