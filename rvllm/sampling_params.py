@@ -121,6 +121,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Keep the prompt's last this many tokens (-1: max_model_len's worth); None: all.
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model, honoured unless ignore_eos.
@@ -190,10 +194,26 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids >= 0, got {k}.")
                 if not -100.0 <= v <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {v}.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids.")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the "
+                                 "model's maximum context length.")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether ``logit_bias`` or ``allowed_token_ids`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def needs_penalties(self) -> bool:

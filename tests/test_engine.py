@@ -185,11 +185,49 @@ def test_min_tokens_holds_back_eos(llama_dir: Path) -> None:
     assert len(late.token_ids) >= 10
 
 
+@pytest.mark.parametrize("kernel_backend", ["numba", "torch"])
+def test_allowed_token_ids_keep_sampling_to_them(llama_dir: Path, kernel_backend: str) -> None:
+    """Only the allowed tokens come out, greedy (the best of them: the raw logits'
+    argmax over the set) or sampled."""
+    llm = LLM(str(llama_dir), kernel_backend=kernel_backend)
+    prompt = make_prompts(lens=(6,))[0]
+    allowed = [7, 11, 42, 300]
+    greedy_out = llm.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed,
+        logprobs=len(allowed)))[0].outputs[0]
+    for token, entry in zip(greedy_out.token_ids, greedy_out.logprobs):
+        assert token in allowed
+        # The raw logprobs of the allowed ones: the chosen token has the largest.
+        assert all(entry[token].logprob >= lp.logprob for t, lp in entry.items() if t in allowed)
+    sampled = llm.generate([prompt], SamplingParams(
+        temperature=1.0, seed=3, n=3, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed))
+    assert all(t in allowed for c in sampled[0].outputs for t in c.token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=64)
+    prompt = make_prompts(lens=(90,))[0]  # longer than the context: refused whole
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                truncate_prompt_tokens=20))[0]
+    assert cut.prompt_token_ids == prompt[-20:]
+    assert cut.outputs[0].token_ids == greedy(llm, [prompt[-20:]], 4)[0]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens .100. is greater"):
+        llm.engine.add_request(None, prompt, SamplingParams(truncate_prompt_tokens=100))
+    with pytest.raises(ValueError, match="64 tokens.*65 tokens .64 in the prompt"):
+        llm.engine.add_request(None, prompt, SamplingParams(max_tokens=1,
+                                                            truncate_prompt_tokens=-1))
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([prompt], params)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2),
     dict(n=0), dict(max_tokens=-1), dict(presence_penalty=3), dict(frequency_penalty=-3),
     dict(repetition_penalty=0), dict(logprobs=-1), dict(min_tokens=5, max_tokens=2),
-    dict(seed="x"), dict(stop=[""]), dict(logit_bias={1: 500}),
+    dict(seed="x"), dict(stop=[""]), dict(logit_bias={1: 500}), dict(allowed_token_ids=[]),
+    dict(allowed_token_ids=[-1]), dict(truncate_prompt_tokens=0),
+    dict(truncate_prompt_tokens=-2),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs: dict) -> None:
     field = next(iter(kwargs))

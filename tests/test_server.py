@@ -17,11 +17,13 @@ from server_helpers import (
     wait_for,
 )
 
+ALIAS = "an-alias"
+
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    srv = ServerProcess(llama_dir, "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
-                        "--num-gpu-blocks", "256")
+    srv = ServerProcess(llama_dir, "--served-model-name", MODEL_NAME, ALIAS,
+                        "--api-key", API_KEY, "--num-gpu-blocks", "256")
     yield srv
     srv.stop()
 
@@ -271,9 +273,33 @@ def test_logit_bias_forces_a_token(server, client):
     assert ids == [token] * len(ids)
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens(server, client):
+    allowed = tokenize(server, "fox") + tokenize(server, " dog")
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(tokenize(server, r.choices[0].text)) <= set(allowed)
+    tail = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3,
+                                     temperature=0, extra_body={"truncate_prompt_tokens": 2})
+    assert tail.usage.prompt_tokens == 2
+    alone = client.completions.create(model=MODEL_NAME, prompt=tokenize(server, PROMPT)[-2:],
+                                      max_tokens=3, temperature=0)
+    assert tail.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi " * 40}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT,
+                                  extra_body={"allowed_token_ids": []})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
 def test_models_health_version_tokenize_detokenize(server, client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert [m.id for m in models.data] == [MODEL_NAME, ALIAS]
+    # Either name is served; responses carry the first.
+    r = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=1)
+    assert r.model == MODEL_NAME
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
     ids = tokenize(server, PROMPT)

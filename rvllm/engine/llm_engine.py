@@ -331,9 +331,11 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._request_ids))
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType, limit: int | None = -1
+                        ) -> tuple[str | None, list[int]]:
         """A prompt may be text, a list of token ids, or {"prompt": ...} /
-        {"prompt_token_ids": [...]}."""
+        {"prompt_token_ids": [...]}. Text longer than ``limit`` tokens (-1: the model's
+        context) is refused before it is all tokenized; None: no limit."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -345,7 +347,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine was started "
                                  "with skip_tokenizer_init: send token ids.")
-            ids = self.tokenizer.encode_bounded(prompt, self.max_model_len)
+            if limit is None:
+                return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_bounded(prompt, self.max_model_len if limit == -1
+                                                else limit)
             if ids is None:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens, "
@@ -381,7 +386,16 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        text, prompt_ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the "
+                                 f"model's maximum context length ({self.max_model_len}).")
+        # A prompt to truncate is tokenized whole, then cut to its last `keep` tokens.
+        text, prompt_ids = self.tokenize_prompt(prompt, None if keep is not None else -1)
+        if keep is not None:
+            prompt_ids = prompt_ids[-keep:]
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token.")
         max_tokens = self._max_tokens(len(prompt_ids), params)
@@ -392,7 +406,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         spec = params.structured_outputs
         marker = spec.starts_after if spec is not None else None
-        for t in [*(params.stop_token_ids or []), *(params.logit_bias or {}), *(marker or [])]:
+        for t in [*(params.stop_token_ids or []), *(params.logit_bias or {}), *(marker or []),
+                  *(params.allowed_token_ids or [])]:
             if t >= vocab:
                 raise ValueError(f"token id {t} is outside the vocabulary (size {vocab}).")
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids

@@ -74,7 +74,7 @@ def device_samples(seq: Sequence) -> bool:
     top-p, min-p and a seed asked of it (no logprobs, logit bias, penalties, min_tokens
     still to come, or grammar)."""
     params = seq.params
-    return (params.logprobs is None and not params.logit_bias and not params.needs_penalties
+    return (params.logprobs is None and not params.edits_logits and not params.needs_penalties
             and seq.num_output_tokens >= params.min_tokens
             and params.structured_outputs is None and seq.grammar is None)
 

@@ -1,6 +1,6 @@
 """Batched device sampler: turns one step's logits into one token per sequence.
 
-Order of operations per row (as vLLM): logit_bias, min_tokens masking,
+Order of operations per row (as vLLM): allowed_token_ids, logit_bias, min_tokens masking,
 repetition/frequency/presence penalties, the structured-output grammar's mask; then
 greedy rows take the argmax and random rows go through temperature, top-k, top-p,
 min-p and an exponential-race draw. Every stage is a tensor op over the rows that
@@ -72,27 +72,31 @@ class Sampler(torch.nn.Module):
 
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's token is the argmax of its raw logits and nothing else is asked of
-    it: greedy, no logprobs, and nothing for ``process_logits`` to do (no logit_bias, not
-    under min_tokens, no penalties)."""
-    return (params.is_greedy and params.logprobs is None and not params.logit_bias
+    it: greedy, no logprobs, and nothing for ``process_logits`` to do (no logit_bias or
+    allowed_token_ids, not under min_tokens, no penalties)."""
+    return (params.is_greedy and params.logprobs is None and not params.edits_logits
             and num_output_tokens >= params.min_tokens and not params.needs_penalties
             and params.structured_outputs is None)
 
 
 def process_logits(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Return ``raw`` [B, V] after each row's logit_bias, min_tokens mask, penalties and
-    grammar mask.
+    """Return ``raw`` [B, V] after each row's allowed_token_ids, logit_bias, min_tokens
+    mask, penalties and grammar mask.
 
     This is what greedy rows take the argmax of. ``raw`` is never modified; it
     is returned as is when no row asked for any of these.
     """
+    allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     has_bias = any(r.params.logit_bias for r in rows)
     has_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
     penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
-    if not (has_bias or has_min_tokens or penalty_rows or grammar_rows):
+    if not (allowed_rows or has_bias or has_min_tokens or penalty_rows or grammar_rows):
         return raw
     logits = raw.clone()
+    if allowed_rows:
+        apply_allowed_tokens_(logits, allowed_rows,
+                              [rows[i].params.allowed_token_ids for i in allowed_rows])
     if has_bias:
         apply_logit_bias_(logits, rows)
     if has_min_tokens:
@@ -134,6 +138,18 @@ def apply_grammar_masks_(logits: torch.Tensor, row_ids: list[int], grammars: lis
         allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
     idx = _index_tensor(row_ids, logits)
     logits[idx] = logits[idx].masked_fill(~allowed, _NEG_INF)
+
+
+def apply_allowed_tokens_(logits: torch.Tensor, row_ids: list[int],
+                          allowed: list[list[int]]) -> None:
+    """Set to -inf, in place, each listed row's tokens outside its ``allowed`` ids."""
+    vocab_size = logits.shape[1]
+    pairs = [(j, t) for j, ids in enumerate(allowed) for t in ids if t < vocab_size]
+    keep = torch.zeros((len(row_ids), vocab_size), dtype=torch.bool)
+    if pairs:
+        keep[torch.tensor(pairs).T.unbind()] = True
+    idx = _index_tensor(row_ids, logits)
+    logits[idx] = logits[idx].masked_fill(~keep.to(logits.device), _NEG_INF)
 
 
 def apply_logit_bias_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -417,8 +433,8 @@ def _sampling_probs(raw: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def speculation_allowed(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence's next tokens may be proposed and verified: nothing may make
     one position's logits depend on the tokens before it beyond the model itself and its
-    grammar (no penalties, logit_bias, min_tokens still due)."""
-    return (not params.logit_bias and not params.needs_penalties
+    grammar (no penalties, logit_bias, allowed_token_ids, min_tokens still due)."""
+    return (not params.edits_logits and not params.needs_penalties
             and num_output_tokens >= params.min_tokens)
 
 

@@ -101,7 +101,7 @@ def cors_middleware_options(cors: dict[str, Any]) -> dict[str, Any]:
             "allow_credentials": bool(options["allow_credentials"])}
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
+def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None,
               tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False,
               cors: dict[str, Any] | None = None, dashboard: bool = True,
@@ -132,13 +132,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
         # Outside the API-key check, so that a 401 carries the headers a browser needs to
         # read it; preflights (OPTIONS) are answered here and never reach the routes.
         app.add_middleware(CORSMiddleware, **cors_middleware_options(cors))
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    served_model_name = names[0]  # what responses, metrics and the dashboard carry
     metrics = ServerMetrics(engine, served_model_name)
     board = (Dashboard(engine, metrics, served_model_name, dashboard_show_prompts)
              if dashboard else None)
     # The endpoints' engine: with the dashboard, one that also notes each request added.
     serving_engine: Any = engine if board is None else board.track()
-    completions = CompletionServing(serving_engine, served_model_name, default_sampling)
-    chat = ChatServing(serving_engine, served_model_name, tool_call_parser,
+    completions = CompletionServing(serving_engine, names, default_sampling)
+    chat = ChatServing(serving_engine, names, tool_call_parser,
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
     started = int(time.time())
     fastapi_openapi = app.openapi
@@ -170,10 +172,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
     @app.get("/v1/models", response_model=None, responses=openapi_responses(ModelList, (401,)))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": started,
+            "id": name, "object": "model", "created": started,
             "owned_by": "rvllm", "root": engine.model_path, "parent": None,
             "max_model_len": engine.max_model_len,
-        }]}
+        } for name in names]}
 
     @app.get("/health", responses=openapi_responses(
         None, (503,), descriptions={503: "The engine loop is not running"}))
@@ -261,7 +263,7 @@ def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> 
     for replica in replicas:
         # A dead worker ends the server (its requests were already failed).
         replica.on_fatal = lambda _error: os.kill(os.getpid(), signal.SIGTERM)
-    logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
+    logger.info("serving %s on http://%s:%d/v1", ", ".join(name), ns.host, ns.port)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
@@ -281,10 +283,10 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 
 
-def served_name(ns: argparse.Namespace, model_path: str) -> str:
+def served_name(ns: argparse.Namespace, model_path: str) -> list[str]:
     """The model's name in the API: ``--served-model-name``, else ``--model`` as given,
     else the file or directory name of the built-in default."""
-    return ns.served_model_name or ns.model or Path(model_path).name
+    return ns.served_model_name or [ns.model or Path(model_path).name]
 
 
 def http_server(ns: argparse.Namespace, app: FastAPI, engine: Any) -> uvicorn.Server:

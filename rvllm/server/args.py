@@ -21,8 +21,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name the API answers to (default: the --model argument)")
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model name(s) the API answers to; responses carry the first "
+                        "(default: the --model argument)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on every /v1 route")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"],

@@ -37,6 +37,7 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_STOP_STRINGS = 64  # stop strings
 MAX_STOP_STRING_CHARS = 1024  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids
+MAX_ALLOWED_TOKEN_IDS = 262144  # allowed_token_ids (more than any vocabulary)
 MAX_MESSAGES = 4096  # chat messages (also /tokenize's)
 MAX_TOOLS = 128  # tools
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
@@ -145,6 +146,9 @@ class SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     stop_token_ids: TokenIds | None = Field(
         None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS})
+    allowed_token_ids: TokenIds | None = Field(
+        None, json_schema_extra={"maxItems": MAX_ALLOWED_TOKEN_IDS})
+    truncate_prompt_tokens: StrictInt | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
@@ -186,6 +190,11 @@ class SamplingRequest(_Strict):
     @classmethod
     def _cap_stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
         return _check_count("stop_token_ids", ids, MAX_STOP_TOKEN_IDS)
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _cap_allowed_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        return _check_count("allowed_token_ids", ids, MAX_ALLOWED_TOKEN_IDS)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None,
@@ -229,6 +238,8 @@ class SamplingRequest(_Strict):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params(),
         )
 

@@ -25,7 +25,8 @@ DONE = "data: [DONE]\n\n"
 PARAM_FIELDS = frozenset({
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "prompt", "response_format", "structured_outputs",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "prompt",
+    "response_format", "structured_outputs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_whitespace_pattern",
 })
@@ -53,15 +54,17 @@ class ServingBase:
     max_waiting_requests = 0
     RETRY_AFTER_S = 1
 
-    def __init__(self, engine: AsyncEngine, model_name: str,
+    def __init__(self, engine: AsyncEngine, model_names: str | Sequence[str],
                  default_sampling: dict[str, Any] | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        # Requests may name any of them; responses carry the first.
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]
         # The model's generation config: what a request's unset sampling fields become.
         self.default_sampling = default_sampling or {}
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "model",
                            "model_not_found")
 

@@ -44,7 +44,8 @@ from rvllm.tokenizer import Tokenizer
 class ChatServing(ServingBase):
     id_prefix = "chatcmpl"
 
-    def __init__(self, engine: Any, model_name: str, tool_call_parser: str | None = None,
+    def __init__(self, engine: Any, model_name: str | list[str],
+                 tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None,
                  default_sampling: dict[str, Any] | None = None) -> None:
@@ -63,7 +64,9 @@ class ChatServing(ServingBase):
                                         _add_generation_prompt(req),
                                         req.continue_final_message, tools.template_tools,
                                         req.chat_template, req.chat_template_kwargs,
-                                        self.engine.max_model_len)
+                                        # A conversation to truncate is tokenized whole.
+                                        None if req.truncate_prompt_tokens is not None
+                                        else self.engine.max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
