@@ -337,6 +337,8 @@ class EngineArgs:
     # Request defaults from the model's generation_config.json (auto), a folder's, or
     # none (vllm); and keys set on top of them (a dict or JSON text). generation_config.py
     generation_config: str = "auto"
+    # The most logprobs (and prompt_logprobs) a request may ask for; -1: the vocabulary.
+    max_logprobs: int = 20
     override_generation_config: dict | str | None = None
 
     # Speculative decoding (vLLM's JSON; a dict or JSON text is parsed into

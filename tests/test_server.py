@@ -294,6 +294,36 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server, client):
     assert e.value.body["param"] == "allowed_token_ids"
 
 
+def test_prompt_tokens_details_and_max_logprobs(llama_dir, client):
+    """--enable-prompt-tokens-details: usage counts the prefix cache's tokens, whole and
+    streamed; --max-logprobs moves the cap on logprobs (20 by default)."""
+    long_prompt = " ".join(["fox"] * 40)
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1
+                                     ).usage.prompt_tokens_details is None
+    srv = ServerProcess(llama_dir, "--enable-prompt-tokens-details", "--max-logprobs", "30")
+    try:
+        other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        model = other.models.list().data[0].id
+        first = other.completions.create(model=model, prompt=long_prompt, max_tokens=1)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        again = other.completions.create(model=model, prompt=long_prompt, max_tokens=1)
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert 16 <= cached < again.usage.prompt_tokens
+        events = list(other.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": long_prompt}], max_tokens=1,
+            stream=True, stream_options={"include_usage": True}))
+        assert events[-1].usage.prompt_tokens_details.cached_tokens == 0
+        top = other.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+            logprobs=True, top_logprobs=25)
+        assert len(top.choices[0].logprobs.content[0].top_logprobs) == 25
+        with pytest.raises(openai.BadRequestError) as e:
+            other.completions.create(model=model, prompt=PROMPT, max_tokens=1, logprobs=31)
+        assert e.value.body["param"] == "logprobs" and "30" in e.value.body["message"]
+    finally:
+        srv.stop()
+
+
 def test_models_health_version_tokenize_detokenize(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME, ALIAS]

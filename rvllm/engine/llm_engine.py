@@ -399,11 +399,13 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token.")
         max_tokens = self._max_tokens(len(prompt_ids), params)
-        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
-            raise ValueError(f"prompt_logprobs must be at most 20, got {params.prompt_logprobs}.")
-        if params.logprobs is not None and params.logprobs > 20:
-            raise ValueError(f"logprobs must be at most 20, got {params.logprobs}.")
         vocab = self.model_config.vocab_size
+        most = vocab if self.args.max_logprobs == -1 else self.args.max_logprobs
+        for name in ("prompt_logprobs", "logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > most:
+                raise ValueError(f"{name} must be at most {most} (--max-logprobs), got "
+                                 f"{asked}.")
         spec = params.structured_outputs
         marker = spec.starts_after if spec is not None else None
         for t in [*(params.stop_token_ids or []), *(params.logit_bias or {}), *(marker or []),

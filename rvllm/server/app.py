@@ -107,7 +107,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               cors: dict[str, Any] | None = None, dashboard: bool = True,
               dashboard_show_prompts: bool = False,
               reasoning_parser: str | None = None,
-              default_sampling: dict[str, Any] | None = None) -> FastAPI:
+              default_sampling: dict[str, Any] | None = None,
+              prompt_tokens_details: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
     whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
@@ -117,7 +118,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     live dashboard (``/dashboard`` and ``/v1/engine/stats``), with the prompts of the
     live requests if ``dashboard_show_prompts``. ``reasoning_parser`` splits chat output
     into ``reasoning`` and ``content``. ``default_sampling`` (``EngineArgs.sampling_defaults``)
-    fills the sampling fields a request leaves unset."""
+    fills the sampling fields a request leaves unset. ``prompt_tokens_details`` puts the
+    prefix cache's share of the prompt in ``usage``."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -142,6 +144,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     completions = CompletionServing(serving_engine, names, default_sampling)
     chat = ChatServing(serving_engine, names, tool_call_parser,
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
+    completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
     started = int(time.time())
     fastapi_openapi = app.openapi
 
@@ -280,6 +283,7 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
     return {"cors": cors_options(ns), "dashboard": not ns.disable_dashboard,
             "dashboard_show_prompts": ns.dashboard_show_prompts,
             "reasoning_parser": ns.reasoning_parser,
+            "prompt_tokens_details": ns.enable_prompt_tokens_details,
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 
 

@@ -48,6 +48,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests that may wait for the engine; past them a request gets "
                         "503 with Retry-After (0: no limit)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
+                        "prefix cache had")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"): its calls '
                         "are read out of its text by --tool-call-parser")

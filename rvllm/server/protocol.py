@@ -457,10 +457,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --enable-prompt-tokens-details: the prompt tokens the prefix cache had.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptLogprob(BaseModel):

@@ -52,6 +52,8 @@ class ServingBase:
     id_prefix = "cmpl"
     # ``--max-waiting-requests``: past this many waiting, a request gets 503 (0: no limit).
     max_waiting_requests = 0
+    # ``--enable-prompt-tokens-details``: usage counts the prompt tokens the prefix cache had.
+    prompt_tokens_details = False
     RETRY_AFTER_S = 1
 
     def __init__(self, engine: AsyncEngine, model_names: str | Sequence[str],
@@ -62,6 +64,15 @@ class ServingBase:
         self.model_name = self.model_names[0]
         # The model's generation config: what a request's unset sampling fields become.
         self.default_sampling = default_sampling or {}
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+              ) -> dict[str, Any]:
+        """A response's ``usage``; with ``prompt_tokens_details``, how many of the prompt
+        tokens came from the prefix cache (``prompt_tokens_details.cached_tokens``)."""
+        out: dict[str, Any] = usage(prompt_tokens, completion_tokens)
+        if self.prompt_tokens_details:
+            out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return out
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

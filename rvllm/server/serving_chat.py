@@ -29,7 +29,6 @@ from rvllm.server.serving import (
     clamp_logprob,
     merge_streams,
     sse,
-    usage,
 )
 from rvllm.server.serving_completion import prompt_logprobs_json
 from rvllm.server.tool_parsers import (
@@ -81,9 +80,14 @@ class ChatServing(ServingBase):
         tools.constrain(params)
         thinking = self._thinking(prompt_ids, params)
         request_id = self.new_id()
-        streams = await self.add_requests(request_id, [prompt_ids], params,
-                                          final_only=not req.stream,
-                                          constraint_field=tools.field(req))
+        try:
+            streams = await self.add_requests(request_id, [prompt_ids], params,
+                                              final_only=not req.stream,
+                                              constraint_field=tools.field(req))
+        except APIError as e:
+            if e.param == "logprobs" and req.top_logprobs is not None:
+                e.param = "top_logprobs"  # the name the client used (--max-logprobs)
+            raise
         if req.stream:
             return self.sse_response(
                 self._stream(req, tools, thinking, request_id, streams[0]), streams)
@@ -129,7 +133,8 @@ class ChatServing(ServingBase):
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         response = {"id": request_id, "object": "chat.completion", "created": self.created(),
                     "model": self.model_name, "choices": choices,
-                    "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+                    "usage": self.usage(len(final.prompt_token_ids), completion_tokens,
+                                        final.num_cached_tokens)}
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return response
@@ -147,7 +152,7 @@ class ChatServing(ServingBase):
         reasoning_streams = [None if thinking is None
                              else thinking.parser.start_stream(thinking.prompt_tail)
                              for _ in range(req.n)]
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             # The role comes first, before any token, as OpenAI sends it.
             yield "".join(sse({**head, "choices": [
@@ -155,9 +160,10 @@ class ChatServing(ServingBase):
                  "logprobs": None, "finish_reason": None}], **extra}) for i in range(req.n))
             async for _, out in merge_streams([stream]):
                 prompt_tokens = len(out.prompt_token_ids)
+                cached_tokens = out.num_cached_tokens
                 completion_tokens = sum(len(c.token_ids) for c in out.outputs)
                 if req.continuous_usage:
-                    extra["usage"] = usage(prompt_tokens, completion_tokens)
+                    extra["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
                 chunks = []
                 for c in out.outputs:
                     i = c.index
@@ -195,7 +201,8 @@ class ChatServing(ServingBase):
                     yield "".join(chunks)
             if req.include_usage:
                 yield sse({**head, "choices": [],
-                           "usage": usage(prompt_tokens, completion_tokens)})
+                           "usage": self.usage(prompt_tokens, completion_tokens,
+                                               cached_tokens)})
         except EngineDeadError as e:
             yield error_event(APIError(str(e), 503))
         finally:
@@ -408,8 +415,8 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         raise APIError("messages must not be empty.", param="messages")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise APIError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}.",
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise APIError(f"top_logprobs must be at least 0, got {req.top_logprobs}.",
                        param="top_logprobs")
     if req.continue_final_message:
         if req.messages[-1].role != "assistant":

@@ -19,7 +19,6 @@ from rvllm.server.serving import (
     clamp_logprob,
     merge_streams,
     sse,
-    usage,
 )
 
 LogprobEntries = list[dict[int, Logprob] | None]
@@ -80,9 +79,10 @@ class CompletionServing(ServingBase):
                     choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
                 choices.append(choice)
         prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
+        cached_tokens = sum(f.num_cached_tokens for f in finals)
         return {"id": request_id, "object": "text_completion", "created": self.created(),
                 "model": self.model_name, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": self.usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def _prompt_text(self, final: RequestOutput) -> str:
         if final.prompt is not None:
@@ -144,10 +144,12 @@ class CompletionServing(ServingBase):
         started = [False] * num_choices
         prompt_tokens = [0] * len(streams)
         completion_tokens = [0] * len(streams)
+        cached_tokens = [0] * len(streams)
         created = self.created()
         try:
             async for i, out in merge_streams(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                cached_tokens[i] = out.num_cached_tokens
                 completion_tokens[i] = sum(len(c.token_ids) for c in out.outputs)
                 chunks = []
                 for c in out.outputs:
@@ -175,7 +177,8 @@ class CompletionServing(ServingBase):
                                      "stop_reason": c.stop_reason}],
                     }
                     if req.include_usage:
-                        chunk["usage"] = (usage(prompt_tokens[i], completion_tokens[i])
+                        chunk["usage"] = (self.usage(prompt_tokens[i], completion_tokens[i],
+                                                     cached_tokens[i])
                                           if req.continuous_usage else None)
                     chunks.append(sse(chunk))
                 if chunks:
@@ -183,7 +186,8 @@ class CompletionServing(ServingBase):
             if req.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
                            "model": self.model_name, "choices": [],
-                           "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
+                           "usage": self.usage(sum(prompt_tokens), sum(completion_tokens),
+                                               sum(cached_tokens))})
         except EngineDeadError as e:
             yield error_event(APIError(str(e), 503))
         finally:
