@@ -123,6 +123,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(temperature, top_p, top_k, min_p, repetition_penalty; "
                         "max_new_tokens caps max_tokens): auto = the model's "
                         "generation_config.json, vllm = none, or a folder holding one")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: requests in the order they came; priority: by each request's "
+                        "priority (lower first), then arrival, and preemption takes the last "
+                        "in that order")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs or prompt_logprobs a request may ask for "
                         "(-1: the whole vocabulary)")
@@ -173,6 +177,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         structured_outputs_config=ns.structured_outputs_config,
         generation_config=ns.generation_config,
         max_logprobs=ns.max_logprobs,
+        scheduling_policy=ns.scheduling_policy,
         override_generation_config=ns.override_generation_config,
         speculative_config=ns.speculative_config,
         model_impl=ns.model_impl,

@@ -226,6 +226,9 @@ class CacheConfig:
             )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """Continuous batching limits."""
@@ -234,8 +237,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     num_scheduler_steps: int = 1  # decode steps a batch of greedy decodes may run ahead
+    # fcfs: first come, first served; priority: by each request's priority, then arrival.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}.")
         if self.num_scheduler_steps < 1:
             raise ValueError(
                 f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}.")
@@ -302,6 +310,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | priority (each request's priority, then arrival)
     enable_chunked_prefill: bool = True
     # Greedy decode steps one engine step may run in one compiled call (CPU, numba
     # kernels): the engine's Python once per this many tokens (kernels.cpu.decode_steps).

@@ -125,6 +125,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep the prompt's last this many tokens (-1: max_model_len's worth); None: all.
     truncate_prompt_tokens: int | None = None
+    # Under --scheduling-policy priority: lower runs first (vLLM's request priority, which
+    # LLM.generate(priority=...) and the API's priority field set here).
+    priority: int = 0
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model, honoured unless ignore_eos.
@@ -200,6 +203,7 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
             self.allowed_token_ids = list(self.allowed_token_ids)
+        _check_int("priority", self.priority)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
             if self.truncate_prompt_tokens == 0:

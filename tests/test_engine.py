@@ -204,6 +204,20 @@ def test_allowed_token_ids_keep_sampling_to_them(llama_dir: Path, kernel_backend
     assert all(t in allowed for c in sampled[0].outputs for t in c.token_ids)
 
 
+def test_the_priority_policy_runs_requests_by_priority(llama_dir: Path) -> None:
+    """One sequence at a time: they run lowest priority value first, then by arrival,
+    and each gives the tokens it gives alone."""
+    llm = LLM(str(llama_dir), scheduling_policy="priority", max_num_seqs=1)
+    prompts = make_prompts(lens=(5, 6, 7, 8))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompts, params, priority=[5, 0, 1, 0])
+    order = sorted(range(4), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert order == [1, 3, 2, 0]
+    assert [o.outputs[0].token_ids for o in outs] == greedy(llm, prompts, 3)
+    with pytest.raises(ValueError, match="priority 1 needs .*--scheduling-policy priority"):
+        LLM(str(llama_dir)).generate(prompts[:1], params, priority=[1])
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), max_model_len=64)
     prompt = make_prompts(lens=(90,))[0]  # longer than the context: refused whole

@@ -32,17 +32,18 @@ BS = 4  # block size of the unit tests
 
 def make_scheduler(num_blocks: int = 16, budget: int = 64, max_num_seqs: int = 8,
                    chunked: bool = True, mode: str = "recompute", num_cpu_blocks: int = 0,
-                   caching: bool = True) -> Scheduler:
+                   caching: bool = True, policy: str = "fcfs") -> Scheduler:
     bm = BlockManager(num_blocks, BS, caching, num_cpu_blocks=num_cpu_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, chunked), bm, mode)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, chunked, policy=policy), bm, mode)
 
 
-def add(sched: Scheduler, seq_id: int, prompt: int | list[int], max_tokens: int = 8
-        ) -> Sequence:
+def add(sched: Scheduler, seq_id: int, prompt: int | list[int], max_tokens: int = 8,
+        priority: int = 0) -> Sequence:
     """A request of one sample; a prompt given as a length is tokens no other shares."""
     if isinstance(prompt, int):
         prompt = list(range(100 * seq_id, 100 * seq_id + prompt))
-    seq = Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(), float(seq_id), max_tokens)
+    seq = Sequence(seq_id, str(seq_id), 0, prompt, SamplingParams(priority=priority),
+                   float(seq_id), max_tokens)
     sched.add(seq)
     return seq
 
@@ -229,6 +230,32 @@ def test_the_newest_sequence_preempts_itself_when_nothing_newer_is_left() -> Non
     assert sched.running == [a] and list(sched.waiting) == [b]
 
 
+def test_the_priority_policy_admits_by_priority_then_arrival() -> None:
+    sched = make_scheduler(policy="priority")
+    for seq_id, priority in enumerate([2, 0, 1, 0]):
+        add(sched, seq_id, 3, priority=priority)
+    assert [s.seq_id for s in sched.waiting] == [1, 3, 2, 0]
+    sched.schedule()
+    assert [s.seq_id for s in sched.running] == [1, 3, 2, 0]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_priority_policy_preempts_the_last_in_priority(mode: str) -> None:
+    """As in the three full decodes above, but the oldest is the least urgent: it goes,
+    and comes back in its place by priority."""
+    sched = make_scheduler(num_blocks=3, policy="priority", mode=mode, num_cpu_blocks=4)
+    a = add(sched, 0, 4, priority=9)
+    add(sched, 1, 3)
+    add(sched, 2, 3)
+    step(sched)
+    late = add(sched, 3, 1, priority=5)
+    out = sched.schedule()
+    assert out.preempted == [a]
+    assert batch(out) == [(1, 1), (2, 1)]
+    queue = sched.swapped if mode == "swap" else sched.waiting
+    assert list(queue) == ([a] if mode == "swap" else [late, a])
+
+
 def test_swap_preemption_moves_the_newest_to_cpu_blocks() -> None:
     sched, (a, b, c) = _three_full_decodes("swap", num_cpu_blocks=4)
     table = list(c.block_table)
@@ -301,9 +328,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     Each step's batch is checked against what the scheduler promises, and every state
     against the block manager's invariants and the books of which sequence is where."""
 
-    def __init__(self, mode: str, chunked: bool) -> None:
+    def __init__(self, mode: str, chunked: bool, policy: str = "fcfs") -> None:
         super().__init__()
-        self.mode, self.chunked = mode, chunked
+        self.mode, self.chunked, self.policy = mode, chunked, policy
         self.requests: list[list[Sequence]] = []
         self.everyone: list[Sequence] = []
 
@@ -322,21 +349,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_blocks, block_size, caching,
                                num_cpu_blocks=num_cpu_blocks if self.mode == "swap" else 0)
-        self.config = SchedulerConfig(max_num_seqs, budget, self.chunked, steps)
+        self.config = SchedulerConfig(max_num_seqs, budget, self.chunked, steps, self.policy)
         self.sched = Scheduler(self.config, self.bm, self.mode)
         self.shadow = KVShadow(self.bm)
 
     # ------------------------------------------------------------------ requests
 
     @rule(prompt=PROMPTS, max_tokens=st.integers(1, 24), n=st.sampled_from([1, 1, 2]),
-          prompt_logprobs=st.booleans())
+          prompt_logprobs=st.booleans(), priority=st.integers(0, 2))
     def add_request(self, prompt: list[int], max_tokens: int, n: int,
-                    prompt_logprobs: bool) -> None:
+                    prompt_logprobs: bool, priority: int) -> None:
         """As ``LLMEngine.add_request``: a sequence per sample, each one's prompt and
-        completion within ``max_model_len``. Prompt logprobs bypass the prefix cache."""
+        completion within ``max_model_len``. Prompt logprobs bypass the prefix cache.
+        Priorities only under the priority policy."""
         prompt = prompt[:self.max_model_len - 1]
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
-        params = SamplingParams(n=n, prompt_logprobs=1 if prompt_logprobs else None)
+        params = SamplingParams(n=n, prompt_logprobs=1 if prompt_logprobs else None,
+                                priority=priority if self.policy == "priority" else 0)
         request_id = str(len(self.requests))
         seqs = []
         for index in range(n):
@@ -510,12 +539,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.num_computed_tokens <= seq.num_tokens
         assert len(running) <= self.config.max_num_seqs
 
-        # First come first served: requests that never ran wait in arrival order, behind
-        # the preempted ones that went back to the front.
-        fresh = [seq.seq_id for seq in waiting if not seq.num_preemptions]
-        assert fresh == sorted(fresh)
-        assert [seq.num_preemptions > 0 for seq in waiting] == \
-            sorted((seq.num_preemptions > 0 for seq in waiting), reverse=True)
+        if self.policy == "priority":
+            # Every queue in priority order, then arrival (running too: preemption takes
+            # its last).
+            for group in (waiting, running, swapped):
+                assert [_rank(s) for s in group] == sorted(_rank(s) for s in group)
+        else:
+            # First come first served: requests that never ran wait in arrival order,
+            # behind the preempted ones that went back to the front.
+            fresh = [seq.seq_id for seq in waiting if not seq.num_preemptions]
+            assert fresh == sorted(fresh)
+            assert [seq.num_preemptions > 0 for seq in waiting] == \
+                sorted((seq.num_preemptions > 0 for seq in waiting), reverse=True)
 
         check_block_manager(bm, self.shadow, self.everyone)
 
@@ -548,9 +583,15 @@ class _Before:
         self.left = {s.seq_id: s.num_tokens - s.num_computed_tokens for s in self.running}
 
 
+def _rank(seq: Sequence) -> tuple[int, float, int]:
+    return seq.params.priority, seq.arrival_time, seq.seq_id
+
+
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prompts"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_random_traffic_keeps_the_schedulers_promises(mode: str, chunked: bool) -> None:
-    run_state_machine_as_test(lambda: SchedulerMachine(mode, chunked), settings=settings(
+@pytest.mark.parametrize("mode,policy", [("recompute", "fcfs"), ("swap", "fcfs"),
+                                         ("recompute", "priority"), ("swap", "priority")])
+def test_random_traffic_keeps_the_schedulers_promises(mode: str, policy: str,
+                                                      chunked: bool) -> None:
+    run_state_machine_as_test(lambda: SchedulerMachine(mode, chunked, policy), settings=settings(
         max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
         database=None, suppress_health_check=[HealthCheck.too_slow]))

@@ -292,19 +292,25 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server, client):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT,
                                   extra_body={"allowed_token_ids": []})
     assert e.value.body["param"] == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError) as e:  # this server schedules fcfs
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"priority": 1})
+    assert e.value.body["param"] == "priority"
 
 
-def test_prompt_tokens_details_and_max_logprobs(llama_dir, client):
+def test_prompt_tokens_details_max_logprobs_and_priorities(llama_dir, client):
     """--enable-prompt-tokens-details: usage counts the prefix cache's tokens, whole and
-    streamed; --max-logprobs moves the cap on logprobs (20 by default)."""
+    streamed; --max-logprobs moves the cap on logprobs (20 by default); under
+    --scheduling-policy priority a request may give its priority."""
     long_prompt = " ".join(["fox"] * 40)
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1
                                      ).usage.prompt_tokens_details is None
-    srv = ServerProcess(llama_dir, "--enable-prompt-tokens-details", "--max-logprobs", "30")
+    srv = ServerProcess(llama_dir, "--enable-prompt-tokens-details", "--max-logprobs", "30",
+                        "--scheduling-policy", "priority")
     try:
         other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
         model = other.models.list().data[0].id
-        first = other.completions.create(model=model, prompt=long_prompt, max_tokens=1)
+        first = other.completions.create(model=model, prompt=long_prompt, max_tokens=1,
+                                         extra_body={"priority": -3})
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         again = other.completions.create(model=model, prompt=long_prompt, max_tokens=1)
         cached = again.usage.prompt_tokens_details.cached_tokens

@@ -338,7 +338,7 @@ def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
             "Raise it or enable chunked prefill."
         )
     return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill,
-                           args.num_scheduler_steps)
+                           args.num_scheduler_steps, args.scheduling_policy)
 
 
 def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -47,9 +48,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A string, a token-id list or a dict is
-        one prompt; a list of them is many."""
+        one prompt; a list of them is many. ``priority``: one per prompt, lower first
+        (under ``scheduling_policy="priority"``)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -63,6 +66,10 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts."
                 )
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts.")
+            params_list = [replace(p, priority=rank) for p, rank in zip(params_list, priority)]
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

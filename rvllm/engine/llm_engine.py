@@ -399,6 +399,9 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token.")
         max_tokens = self._max_tokens(len(prompt_ids), params)
+        if params.priority != 0 and self.scheduler_config.policy != "priority":
+            raise ValueError(f"priority {params.priority} needs the engine started with "
+                             "--scheduling-policy priority.")
         vocab = self.model_config.vocab_size
         most = vocab if self.args.max_logprobs == -1 else self.args.max_logprobs
         for name in ("prompt_logprobs", "logprobs"):

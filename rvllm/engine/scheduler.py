@@ -16,6 +16,7 @@ another for them.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,7 +68,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue(self.waiting, seq)
+
+    def _queue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Into ``queue`` at the end; under the priority policy, in its place by priority,
+        then arrival."""
+        if self.config.policy == "priority":
+            bisect.insort(queue, seq, key=_priority)
+        else:
+            queue.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -114,6 +123,8 @@ class Scheduler:
     def _fit_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for ``seq``, preempting newer sequences; False if it was preempted."""
         while not self.block_manager.allocate_slots(seq, n):
+            # The newest; under the priority policy, running is in priority order, so the
+            # last in priority (then arrival), and never one already scheduled this step.
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is seq:
@@ -128,11 +139,14 @@ class Scheduler:
             out.blocks_to_swap_out.extend(bm.swap_out(seq))
             self.num_swap_outs += 1
             seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
+            self._queue(self.swapped, seq)
             return
         bm.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_priority)
+        else:
+            self.waiting.appendleft(seq)
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         """Resume swapped sequences, oldest first; they go before any new request."""
@@ -147,7 +161,7 @@ class Scheduler:
             if not bm.allocate_slots(seq, n):  # cannot fail: can_swap_in counted these
                 raise RuntimeError("swap-in could not place the resumed tokens")
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._queue(self.running, seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
@@ -169,7 +183,7 @@ class Scheduler:
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
-            self.running.append(seq)
+            self._queue(self.running, seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
@@ -187,3 +201,9 @@ class Scheduler:
                 pass
         self.block_manager.free(seq)
         self.block_manager.free_cpu(seq)
+
+
+def _priority(seq: Sequence) -> tuple[int, float, int]:
+    """A sequence's place under ``--scheduling-policy priority``: its request's priority
+    (lower first), then arrival."""
+    return seq.params.priority, seq.arrival_time, seq.seq_id

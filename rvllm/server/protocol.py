@@ -149,6 +149,7 @@ class SamplingRequest(_Strict):
     allowed_token_ids: TokenIds | None = Field(
         None, json_schema_extra={"maxItems": MAX_ALLOWED_TOKEN_IDS})
     truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0  # under --scheduling-policy priority: lower runs first
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     skip_special_tokens: StrictBool = True
@@ -240,6 +241,7 @@ class SamplingRequest(_Strict):
             logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            priority=self.priority,
             structured_outputs=self.structured_outputs_params(),
         )
 
