@@ -367,6 +367,10 @@ class EngineArgs:
         from rvllm.spec_decode.config import SpeculativeConfig
 
         self.override_generation_config = parse_override(self.override_generation_config)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer of at least -1 (-1: the whole "
+                             f"vocabulary); got {self.max_logprobs!r}.")
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.model_impl not in MODEL_IMPLS:

@@ -249,6 +249,13 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict) -> None:
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(max_logprobs=-2), dict(scheduling_policy="lifo")])
+def test_bad_engine_arguments_name_the_field(llama_dir: Path, kwargs: dict) -> None:
+    field = next(iter(kwargs))
+    with pytest.raises(ValueError, match=field):
+        LLM(str(llama_dir), **kwargs)
+
+
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), max_model_len=128)
     engine = llm.engine
