@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -575,3 +576,39 @@ def test_dashboard_follows_a_burst_in_a_browser(browser, server, tmp_path):
     assert any(url.endswith(STATS) for url in resources + requested)
     for url in resources + requested:
         assert url.startswith(f"{server.url}/") or url.startswith("data:"), url
+
+
+def test_the_stats_line_reports_each_interval_and_stays_quiet_when_idle(
+        caplog, monkeypatch) -> None:  # noqa: ANN001 - pytest fixtures
+    """vLLM's periodic line (``server/stats_log.py``): throughput over the interval, the
+    queues, the KV cache's use and the interval's prefix-cache hit rate; nothing while
+    idle; and the app logs it on its own under ``log_stats_interval_s``."""
+    from rvllm.server.stats_log import StatsLogger, log_stats_interval
+
+    stats = StatsLogger()
+    assert stats.line(0.0, snapshot()) is None  # the first snapshot only sets the start
+    line = stats.line(2.0, snapshot(prompt_tokens=1300, generation_tokens=445,
+                                    prefix_cache_queries=1100, prefix_cache_hits=425))
+    assert line == ("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: "
+                    "50.0 tokens/s, Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, "
+                    "Prefix cache hit rate: 25.0%")
+    idle = snapshot(prompt_tokens=1300, generation_tokens=445, prefix_cache_queries=1100,
+                    prefix_cache_hits=425, num_requests_running=0, num_requests_waiting=0)
+    assert stats.line(4.0, idle) is None
+    monkeypatch.delenv("RVLLM_LOG_STATS_INTERVAL", raising=False)
+    assert log_stats_interval(True) is None and log_stats_interval(False) == 10.0
+    monkeypatch.setenv("RVLLM_LOG_STATS_INTERVAL", "0.5")
+    assert log_stats_interval(False) == 0.5
+    monkeypatch.setenv("RVLLM_LOG_STATS_INTERVAL", "soon")
+    with pytest.raises(ValueError, match="RVLLM_LOG_STATS_INTERVAL"):
+        log_stats_interval(False)
+
+    engine = FakeEngine()
+    with caplog.at_level(logging.INFO, logger="rvllm"), \
+            client_for(engine, log_stats_interval_s=0.05) as client:
+        engine.snap = snapshot(generation_tokens=400)
+        deadline = time.monotonic() + WATCHDOG_S
+        while "Avg generation throughput" not in caplog.text and time.monotonic() < deadline:
+            client.get("/health")
+            time.sleep(0.02)
+    assert "Running: 3 reqs, Waiting: 2 reqs" in caplog.text

@@ -58,6 +58,7 @@ from rvllm.server.protocol import (
 from rvllm.server.serving import ServingBase
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing
+from rvllm.server.stats_log import StatsLogger, log_stats_interval
 from rvllm.startup import resume_collector
 
 logger = logging.getLogger("rvllm")
@@ -108,7 +109,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               dashboard_show_prompts: bool = False,
               reasoning_parser: str | None = None,
               default_sampling: dict[str, Any] | None = None,
-              prompt_tokens_details: bool = False) -> FastAPI:
+              prompt_tokens_details: bool = False,
+              log_stats_interval_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
     whose ``tool_choice`` is ``auto``, with ``enable_auto_tool_choice``. ``cors``
@@ -119,11 +121,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     live requests if ``dashboard_show_prompts``. ``reasoning_parser`` splits chat output
     into ``reasoning`` and ``content``. ``default_sampling`` (``EngineArgs.sampling_defaults``)
     fills the sampling fields a request leaves unset. ``prompt_tokens_details`` puts the
-    prefix cache's share of the prompt in ``usage``."""
+    prefix cache's share of the prompt in ``usage``. ``log_stats_interval_s``: log the
+    stats line that often (``stats_log``); None: never."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats = (None if log_stats_interval_s is None else
+                 asyncio.create_task(StatsLogger().run(engine, log_stats_interval_s)))
         yield
+        if stats is not None:
+            stats.cancel()
         engine.shutdown()
 
     app = FastAPI(title="rvllm", version=rvllm.__version__, lifespan=lifespan)
@@ -284,6 +291,7 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
             "dashboard_show_prompts": ns.dashboard_show_prompts,
             "reasoning_parser": ns.reasoning_parser,
             "prompt_tokens_details": ns.enable_prompt_tokens_details,
+            "log_stats_interval_s": log_stats_interval(ns.disable_log_stats),
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 
 

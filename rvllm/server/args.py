@@ -48,6 +48,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests that may wait for the engine; past them a request gets "
                         "503 with Retry-After (0: no limit)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the throughput, queue and cache line every 10 s "
+                        "(RVLLM_LOG_STATS_INTERVAL seconds)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
                         "prefix cache had")
