@@ -72,12 +72,7 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string.")
         if self.starts_after is not None:
-            if not isinstance(self.starts_after, (list, tuple)) or not self.starts_after:
-                raise ValueError("structured_outputs.starts_after must be a non-empty list "
-                                 "of token ids.")
-            for t in self.starts_after:
-                _check_int("structured_outputs.starts_after", t, low=0)
-            self.starts_after = list(self.starts_after)
+            self.starts_after = _token_ids("structured_outputs.starts_after", self.starts_after)
 
     @property
     def kind(self) -> str:
@@ -198,11 +193,7 @@ class SamplingParams:
                 if not -100.0 <= v <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {v}.")
         if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must be a non-empty list of token ids.")
-            for t in self.allowed_token_ids:
-                _check_int("allowed_token_ids", t, low=0)
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         _check_int("priority", self.priority)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=-1)
@@ -229,6 +220,15 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+def _token_ids(name: str, value: object) -> list[int]:
+    """``value`` as a non-empty list of token ids (integers >= 0); ValueError names it."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{name} must be a non-empty list of token ids.")
+    for t in value:
+        _check_int(name, t, low=0)
+    return list(value)
 
 
 def _check_number(name: str, value: object) -> None:
