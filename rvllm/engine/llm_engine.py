@@ -331,10 +331,10 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._request_ids))
 
-    def tokenize_prompt(self, prompt: PromptType, limit: int | None = -1
+    def tokenize_prompt(self, prompt: PromptType, limit: int | None
                         ) -> tuple[str | None, list[int]]:
         """A prompt may be text, a list of token ids, or {"prompt": ...} /
-        {"prompt_token_ids": [...]}. Text longer than ``limit`` tokens (-1: the model's
+        {"prompt_token_ids": [...]}. Text longer than ``limit`` tokens (the model's
         context) is refused before it is all tokenized; None: no limit."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -349,8 +349,7 @@ class LLMEngine:
                                  "with skip_tokenizer_init: send token ids.")
             if limit is None:
                 return prompt, self.tokenizer.encode(prompt)
-            ids = self.tokenizer.encode_bounded(prompt, self.max_model_len if limit == -1
-                                                else limit)
+            ids = self.tokenizer.encode_bounded(prompt, limit)
             if ids is None:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens, "
@@ -393,7 +392,8 @@ class LLMEngine:
                 raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the "
                                  f"model's maximum context length ({self.max_model_len}).")
         # A prompt to truncate is tokenized whole, then cut to its last `keep` tokens.
-        text, prompt_ids = self.tokenize_prompt(prompt, None if keep is not None else -1)
+        text, prompt_ids = self.tokenize_prompt(
+            prompt, None if keep is not None else self.max_model_len)
         if keep is not None:
             prompt_ids = prompt_ids[-keep:]
         if not prompt_ids:
