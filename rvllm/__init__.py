@@ -13,7 +13,9 @@ _EXPORTS = {
     "EngineArgs": "rvllm.config",
     "SamplingParams": "rvllm.sampling_params",
     "StructuredOutputsParams": "rvllm.sampling_params",
+    "PoolingParams": "rvllm.pooling_params",
     "RequestOutput": "rvllm.outputs",
+    "EmbeddingRequestOutput": "rvllm.outputs",
     "CompletionOutput": "rvllm.outputs",
     "Sampler": "rvllm.sampler",
     "sample_batch": "rvllm.sampler",
@@ -22,14 +24,16 @@ _EXPORTS = {
 
 __all__ = [
     "LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams",
-    "RequestOutput", "CompletionOutput", "Sampler", "sample_batch", "Tokenizer", "__version__",
+    "PoolingParams", "RequestOutput", "EmbeddingRequestOutput", "CompletionOutput", "Sampler",
+    "sample_batch", "Tokenizer", "__version__",
 ]
 
 if TYPE_CHECKING:
     from rvllm.config import EngineArgs
     from rvllm.engine.llm import LLM
     from rvllm.engine.llm_engine import LLMEngine
-    from rvllm.outputs import CompletionOutput, RequestOutput
+    from rvllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from rvllm.pooling_params import PoolingParams
     from rvllm.sampler import Sampler, sample_batch
     from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
     from rvllm.tokenizer import Tokenizer

@@ -110,6 +110,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="--model-impl jax's devices (default: --device's, cpu or cuda); tpu "
                         "on a TPU VM with jax[tpu] (the engine's own tensors stay on the "
                         "CPU; give --num-gpu-blocks)")
+    g.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="what the model runs as: generate = text (auto); pooling = "
+                        "embeddings (/v1/embeddings, LLM.embed), one vector per prompt")
+    g.add_argument("--convert", choices=["auto", "none", "embed"], default="auto",
+                   help="embed: run a causal LM as an embedding model (implies --runner "
+                        "pooling): the final norm's hidden states pooled, L2-normalized")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='a pooling model\'s pooler, as JSON: {"pooling_type": "LAST" | '
+                        '"MEAN" | "CLS", "normalize": true}; default: the model folder\'s '
+                        "Sentence Transformers config, else LAST, normalized")
     g.add_argument("--chat-template", default=None,
                    help="chat template (a file or the template text) replacing the model's")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -182,6 +192,9 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         speculative_config=ns.speculative_config,
         model_impl=ns.model_impl,
         jax_platform=ns.jax_platform,
+        runner=ns.runner,
+        convert=ns.convert,
+        pooler_config=ns.pooler_config,
         show_progress=True,
     )
 

@@ -359,6 +359,13 @@ class EngineArgs:
     # The JAX backend's devices: cpu, gpu or tpu; None follows --device (cpu or cuda). On
     # a TPU VM the engine's own tensors (the sampler's) stay on the CPU.
     jax_platform: str | None = None
+    # What the model runs as (vLLM's --runner, --convert): generate (text), or pooling
+    # (embeddings: --runner pooling or --convert embed); pooling_params.resolve_runner.
+    runner: str = "auto"
+    convert: str = "auto"
+    # The pooler of a pooling model (a dict or JSON text: pooling_type, normalize), over
+    # the model's own (pooling_params.PoolerConfig).
+    pooler_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         self.structured_outputs_config = StructuredOutputsConfig.parse(
@@ -373,6 +380,13 @@ class EngineArgs:
                              f"vocabulary); got {self.max_logprobs!r}.")
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.pooler_config is not None:
+            from rvllm.json_options import json_options
+            from rvllm.pooling_params import PoolerConfig
+
+            self.pooler_config = json_options(self.pooler_config, "pooler_config",
+                                              PoolerConfig.__slots__)
+        self.runner_type()  # ValueError for an unknown --runner or --convert
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; "
                              f"got {self.model_impl!r}.")
@@ -383,6 +397,12 @@ class EngineArgs:
             if self.model_impl != "jax":
                 raise ValueError("jax_platform is the JAX backend's: give it with "
                                  "model_impl='jax' (--model-impl jax).")
+
+    def runner_type(self) -> str:
+        """What the engine runs the model as: "generate" or "pooling"."""
+        from rvllm.pooling_params import resolve_runner
+
+        return resolve_runner(self.runner, self.convert)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """What requests that leave a sampling field unset get

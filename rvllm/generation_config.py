@@ -12,12 +12,11 @@ none.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from rvllm.json_options import json_options
+from rvllm.json_options import json_options, read_json_file
 from rvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("rvllm")
@@ -45,14 +44,14 @@ def sampling_defaults(model_path: str, generation_config: str = "auto",
     if generation_config == "auto":
         path = Path(model_path) / "generation_config.json"
         if path.is_file():
-            values = _read(path)
+            values = read_json_file(path)
     elif generation_config != "vllm":
         path = Path(generation_config).expanduser() / "generation_config.json"
         if not path.is_file():
             raise ValueError(f"generation_config {generation_config!r}: no "
                              "generation_config.json there (give a folder with one, "
                              "'auto' for the model's own, or 'vllm' for none).")
-        values = _read(path)
+        values = read_json_file(path)
     values.update(override or {})
     defaults = {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
     if values.get("max_new_tokens") is not None:
@@ -70,12 +69,3 @@ def log_defaults(defaults: dict[str, Any]) -> None:
         logger.info("requests default to the model's generation config: %s (start with "
                     "--generation-config vllm to leave it out)", defaults)
 
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} could not be read: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} is not a JSON object.")
-    return value

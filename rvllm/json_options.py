@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -24,3 +25,14 @@ def json_options(value: dict | str, name: str, known: Iterable[str]) -> dict[str
         raise ValueError(f"{name} has no key {unknown[0]!r} (known: "
                          f"{', '.join(sorted(known))}).")
     return dict(value)
+
+
+def read_json_file(path: Path, kind: type = dict, what: str = "a JSON object") -> Any:
+    """A JSON file's value, which must be a ``kind``; ValueError names the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} could not be read: {e}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{path} is not {what}.")
+    return value

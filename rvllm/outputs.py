@@ -58,3 +58,30 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Tokens added to each output since the previous RequestOutput of this request.
     new_token_counts: list[int] = field(default_factory=list)
+    # A pooling model's request, finished: its embedding.
+    pooled: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, as vLLM shapes it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        assert out.pooled is not None, "not a pooling request's output"
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.pooled),
+                   out.finished)

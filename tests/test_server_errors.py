@@ -32,7 +32,7 @@ BAD_REQUESTS = [
     ("prompt wrong type", C, {"prompt": 5}, 400, "prompt", "prompt"),
     ("prompt mixed list", C, {"prompt": [1, "a"]}, 400, "prompt", "prompt"),
     ("prompt empty list", C, {"prompt": []}, 400, "prompt", "empty"),
-    ("prompt empty string", C, {"prompt": ""}, 400, None, "empty"),
+    ("prompt empty string", C, {"prompt": ""}, 400, "prompt", "empty"),
     ("token id past vocab", C, {"prompt": [1, 10**6]}, 400, "prompt", "1000000"),
     ("negative token id", C, {"prompt": [-1]}, 400, "prompt", "-1"),
     ("prompt longer than context", C, {"prompt": LONG}, 400, None, "256"),
@@ -133,6 +133,9 @@ BAD_REQUESTS = [
     ("chat unknown model", CHAT, {"messages": OK_CHAT, "model": "nope"}, 404, "model", "nope"),
     ("tokenize neither prompt nor messages", "/tokenize", {}, 400, "prompt", ""),
     ("detokenize id past vocab", "/detokenize", {"tokens": [10**6]}, 400, "tokens", ""),
+    ("embeddings from a generating model", "/v1/embeddings", {"input": "hi"}, 400, None,
+     "--runner pooling"),
+    ("embeddings without input", "/v1/embeddings", {}, 400, "input", "input"),
 ]
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from rvllm.config import EngineArgs
 from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
@@ -233,10 +234,16 @@ class AsyncEngine:
         return self.engine.model_config.path
 
     @property
+    def runner_type(self) -> str:
+        """What the model runs as: "generate" or "pooling" (embeddings)."""
+        return self.engine.runner_type
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams,
                           final_only: bool = False) -> RequestStream:
         """Queue a request and wait until the engine has taken it. With ``final_only``
         the stream yields just the finished output."""

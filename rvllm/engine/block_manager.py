@@ -55,7 +55,7 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq``. At least one token is
         always left to compute, since its logits are what the next sample needs."""
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.needs_every_prompt_row:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []

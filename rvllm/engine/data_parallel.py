@@ -32,6 +32,7 @@ from rvllm.engine.async_engine import (
 from rvllm.engine.process_engine import ProcessEngine
 from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
@@ -114,11 +115,17 @@ class DataParallelEngine:
         return self.replicas[0].model_path
 
     @property
+    def runner_type(self) -> str:
+        """What the model runs as: "generate" or "pooling" (embeddings)."""
+        return self.replicas[0].runner_type
+
+    @property
     def is_running(self) -> bool:
         """True while some replica can take requests (others may be restarting)."""
         return not self._stopping and any(r.is_running for r in self.replicas)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams,
                           final_only: bool = False) -> RequestStream:
         tried: set[int] = set()
         while True:

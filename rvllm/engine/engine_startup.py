@@ -230,6 +230,18 @@ def check_speculative(args: EngineArgs) -> None:
                          "Use \"ngram\" (prompt lookup), or one rank.")
 
 
+def check_pooling(args: EngineArgs) -> None:
+    """What a pooling model (``--runner pooling``) cannot run with, refused at start-up."""
+    if args.runner_type() != "pooling":
+        return
+    if args.model_impl == "jax":
+        raise ValueError("a pooling model (runner='pooling') runs on rvllm's torch modules; "
+                         "--model-impl jax generates text only.")
+    if args.speculative_config is not None:
+        raise ValueError("speculative decoding speeds up generation: a pooling model "
+                         "(runner='pooling') has nothing to speculate on.")
+
+
 def start_drafter(args: EngineArgs, model: torch.nn.Module, model_config: ModelConfig,
                   num_blocks: int, kv_dtype: torch.dtype, device: torch.device
                   ):  # noqa: ANN205 - spec_decode.draft.ModelDrafter | None

@@ -11,7 +11,8 @@ from tqdm import tqdm
 from rvllm.config import EngineArgs
 from rvllm.engine.llm_engine import LLMEngine
 from rvllm.inputs import PromptType
-from rvllm.outputs import RequestOutput
+from rvllm.outputs import EmbeddingRequestOutput, RequestOutput
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
@@ -53,11 +54,7 @@ class LLM:
         """Outputs in the order of ``prompts``. A string, a token-id list or a dict is
         one prompt; a list of them is many. ``priority``: one per prompt, lower first
         (under ``scheduling_policy="priority"``)."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -70,7 +67,37 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts.")
             params_list = [replace(p, priority=rank) for p, rank in zip(params_list, priority)]
-        ids = []
+        return self._run(self._add(prompts, params_list), use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), in the order of ``prompts``,
+        from an engine started as a pooling model (``runner="pooling"`` or
+        ``convert="embed"``)."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} PoolingParams for {len(prompts)} prompts.")
+        if truncate_prompt_tokens is not None:
+            params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for p in params_list]
+        outputs = self._run(self._add(prompts, params_list), use_tqdm)
+        return [EmbeddingRequestOutput.from_output(o) for o in outputs]
+
+    def _add(self, prompts: list[PromptType],
+             params_list: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+        """Queue every prompt; if one is refused, none stays queued."""
+        ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
                 ids.append(self.engine.add_request(None, prompt, params))
@@ -78,7 +105,7 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(
         self,
@@ -115,3 +142,12 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finished[i] for i in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """A string, a token-id list or a dict is one prompt; a list of them is many."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

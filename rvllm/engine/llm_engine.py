@@ -33,6 +33,7 @@ from rvllm.engine.engine_startup import (
     check_async_scheduling,
     check_jax_backend,
     check_packed_activations,
+    check_pooling,
     check_scheduler_steps,
     check_speculative,
     preemption_mode,
@@ -64,6 +65,7 @@ from rvllm.layers.cpu_linear import (
 from rvllm.malloc import release_freed_memory
 from rvllm.models.loader import load_model
 from rvllm.outputs import RequestMetrics, RequestOutput
+from rvllm.pooling_params import PoolerConfig, PoolingParams, matryoshka_dimensions
 from rvllm.sampling_params import SamplingParams
 from rvllm.spec_decode.speculator import SpecDecodeStats, Speculator
 from rvllm.structured_output import StructuredOutputManager
@@ -111,12 +113,17 @@ class LLMEngine:
             args.num_scheduler_steps > 1, packed, self.quantization, args.fused_decode_gemv)
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
+        check_pooling(args)
         check_async_scheduling(args)
         check_packed_activations(args, self.quantization, packed)
         if args.model_impl == "jax":  # before the weights load
             check_jax_backend(args, self.device, kv_dtype, self.quantization)
         self.startup_phases["kernels"] = time.perf_counter() - phase
         self.model_config = ModelConfig.from_path(args.resolve_model(), dtype, args.max_model_len)
+        # generate (text), or pooling (embeddings, with this pooler).
+        self.runner_type = args.runner_type()
+        self.pooler = (PoolerConfig.resolve(self.model_config.path, args.pooler_config)
+                       if self.runner_type == "pooling" else None)
         # What requests that leave a sampling field unset get (--generation-config).
         self.sampling_defaults = args.sampling_defaults()
         log_defaults(self.sampling_defaults)
@@ -277,6 +284,8 @@ class LLMEngine:
             "speculative": (None if spec is None
                             else f"{spec.method}, {spec.num_speculative_tokens} tokens"),
             "async_scheduling": self.step_worker is not None,
+            "runner": self.runner_type,
+            "pooling_type": None if self.pooler is None else self.pooler.pooling_type,
         }
 
     def _use_cuda_graphs(self) -> bool:
@@ -367,9 +376,10 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}.")
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> str:
-        """Validate and queue a request. Raises ValueError (nothing is queued) when the
+        """Validate and queue a request: SamplingParams to generate, PoolingParams for an
+        embedding (of a pooling model). Raises ValueError (nothing is queued) when the
         prompt or the parameters are unusable."""
         try:
             return self._add_request(request_id, prompt, params, arrival_time)
@@ -380,24 +390,25 @@ class LLMEngine:
             raise
 
     def _add_request(self, request_id: str | None, prompt: PromptType,
-                     params: SamplingParams | None, arrival_time: float | None) -> str:
-        params = (params or SamplingParams()).clone()
+                     params: SamplingParams | PoolingParams | None,
+                     arrival_time: float | None) -> str:
+        if params is None:
+            params = PoolingParams() if self.runner_type == "pooling" else SamplingParams()
+        pooling = isinstance(params, PoolingParams)
+        if pooling != (self.runner_type == "pooling"):
+            raise ValueError(
+                "this engine runs the model as a pooling model (runner='pooling'): it makes "
+                "embeddings, not text." if not pooling else
+                "embeddings need the engine started as a pooling model (--runner pooling "
+                "or --convert embed); this one generates text.")
+        params = params.clone()
         request_id = request_id if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.max_model_len if keep == -1 else keep
-            if keep > self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the "
-                                 f"model's maximum context length ({self.max_model_len}).")
-        # A prompt to truncate is tokenized whole, then cut to its last `keep` tokens.
-        text, prompt_ids = self.tokenize_prompt(
-            prompt, None if keep is not None else self.max_model_len)
-        if keep is not None:
-            prompt_ids = prompt_ids[-keep:]
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token.")
+        text, prompt_ids = self._prompt_ids(prompt, params.truncate_prompt_tokens)
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, text, prompt_ids, params,
+                                             arrival_time)
         max_tokens = self._max_tokens(len(prompt_ids), params)
         if params.priority != 0 and self.scheduler_config.policy != "priority":
             raise ValueError(f"priority {params.priority} needs the engine started with "
@@ -434,6 +445,57 @@ class LLMEngine:
                 self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(prompt_ids)
         return request_id
+
+    def _prompt_ids(self, prompt: PromptType, keep: int | None
+                    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (if it was text) and token ids; ``keep``: only its last
+        ``keep`` tokens (-1: max_model_len). ValueError for an empty prompt."""
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than the "
+                                 f"model's maximum context length ({self.max_model_len}).")
+        # A prompt to truncate is tokenized whole, then cut to its last `keep` tokens.
+        text, prompt_ids = self.tokenize_prompt(
+            prompt, None if keep is not None else self.max_model_len)
+        if keep is not None:
+            prompt_ids = prompt_ids[-keep:]
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token.")
+        return text, prompt_ids
+
+    def _add_pooling_request(self, request_id: str, text: str | None, prompt_ids: list[int],
+                             params: PoolingParams, arrival_time: float | None) -> str:
+        """An embedding: the prompt through the model once, its hidden states pooled."""
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens, and the prompt has {len(prompt_ids)} tokens.")
+        self._check_dimensions(params.dimensions)
+        now = time.time() if arrival_time is None else arrival_time
+        # No sampling: the sequence ends once the prompt is through (max_tokens 0).
+        seq_params = SamplingParams(detokenize=False)
+        seq = self._new_sequence(request_id, 0, prompt_ids, seq_params, now, 0)
+        assert self.pooler is not None
+        seq.pooling = self.pooler.pooling_type
+        request = Request(request_id, text, prompt_ids, seq_params, [seq],
+                          RequestMetrics(arrival_time=now), sent_tokens=[0], pooling=params)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(prompt_ids)
+        return request_id
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        sizes = matryoshka_dimensions(self.model_config.hf_config)
+        if sizes is None:
+            raise ValueError("dimensions: this model does not support Matryoshka "
+                             "representation, so its embeddings cannot be shortened.")
+        hidden = self.model_config.hidden_size
+        if dimensions > hidden or (sizes and dimensions not in sizes):
+            allowed = ", ".join(map(str, sizes)) if sizes else f"1 to {hidden}"
+            raise ValueError(f"dimensions {dimensions} is not one this model supports "
+                             f"({allowed}).")
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len
@@ -582,6 +644,8 @@ class LLMEngine:
         """A step's prompt logprobs and tokens for ``seq``, appended and stop-checked;
         whether it sampled a token."""
         out.seq = seq
+        if seq.pooling is not None:
+            return self._take_pooled(seq, out)
         if out.prompt_logprobs is not None:
             self._add_prompt_logprobs(out)
         if out.token_id is None:
@@ -594,6 +658,32 @@ class LLMEngine:
             self._append_token(seq, out.token_id, out.logprob, out.top_ids,
                                out.top_logprobs, now)
             self._append_later_tokens(seq, out.later_tokens, now, out.later_tops)
+        return True
+
+    def _take_pooled(self, seq: Sequence, out: SeqStepOutput) -> bool:
+        """A pooling sequence's chunk: its pooled positions added; once the prompt is
+        through, the vector made and the sequence finished. Whether it finished."""
+        if out.pool_count:
+            if seq.pooling != "MEAN":
+                seq.pool_sum, seq.pool_count = out.pool_sum, 1
+            elif out.pool_first == seq.pool_count:  # else recomputed: pooled already
+                seq.pool_sum = (out.pool_sum if seq.pool_sum is None
+                                else seq.pool_sum + out.pool_sum)
+                seq.pool_count += out.pool_count
+        expected = seq.num_prompt_tokens if seq.pooling == "MEAN" else 1
+        if not out.pool_done or seq.pool_count != expected:
+            return False
+        params = self.requests[seq.request_id].pooling
+        assert params is not None and self.pooler is not None
+        vector = seq.pool_sum / seq.pool_count
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        seq.pooled = vector.cpu().tolist()
+        seq.pool_sum = None
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         return True
 
     def _step_async(self) -> list[RequestOutput]:

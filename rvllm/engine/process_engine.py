@@ -45,6 +45,7 @@ from rvllm.engine.async_engine import (
 from rvllm.engine.process_start import StartedChild, start_engine_child
 from rvllm.engine.process_wire import EngineInfo, OutputDecoder, Reply
 from rvllm.inputs import PromptType
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer, load_tokenizer
 
@@ -180,6 +181,11 @@ class ProcessEngine:
         return self._info.path
 
     @property
+    def runner_type(self) -> str:
+        """What the model runs as: "generate" or "pooling" (embeddings)."""
+        return self._info.settings.get("runner", "generate")
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid
 
@@ -187,7 +193,8 @@ class ProcessEngine:
     def is_running(self) -> bool:
         return not (self._dead or self._stopping) and self.process.is_alive()
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams,
                           final_only: bool = False) -> RequestStream:
         """Queue a request and wait until the child has taken it (AsyncEngine's contract)."""
         stream = RequestStream(request_id, asyncio.get_running_loop(), final_only)

@@ -65,6 +65,7 @@ class WireOutput:
     metrics: RequestMetrics
     num_cached_tokens: int
     new_token_counts: list[int]
+    pooled: list[float] | None = None  # a pooling request's vector, sent once, at its end
 
 
 @dataclass(slots=True)
@@ -127,7 +128,7 @@ class OutputEncoder:
         return WireOutput(
             o.request_id, (o.prompt, o.prompt_token_ids) if first else None, plp_start,
             _tail(o.prompt_logprobs, plp_start), completions, o.finished, o.metrics,
-            o.num_cached_tokens, o.new_token_counts)
+            o.num_cached_tokens, o.new_token_counts, o.pooled)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -159,7 +160,8 @@ class OutputDecoder:
             prompt_logprobs=_join(prev and prev.prompt_logprobs, w.prompt_logprobs_start,
                                   w.prompt_logprobs),
             outputs=completions, finished=w.finished, metrics=w.metrics,
-            num_cached_tokens=w.num_cached_tokens, new_token_counts=w.new_token_counts)
+            num_cached_tokens=w.num_cached_tokens, new_token_counts=w.new_token_counts,
+            pooled=w.pooled)
         if w.finished:
             self._last.pop(w.request_id, None)
         else:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rvllm.engine.sequence import Sequence
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
@@ -22,6 +23,7 @@ class Request:
     metrics: RequestMetrics
     sent_tokens: list[int] = field(default_factory=list)
     grammar: Future | None = None  # its structured-output grammar, compiling or compiled
+    pooling: PoolingParams | None = None  # an embedding's parameters
 
     @property
     def finished(self) -> bool:
@@ -60,6 +62,7 @@ def make_output(request: Request, now: float) -> RequestOutput:
         metrics=request.metrics,
         num_cached_tokens=first.num_cached_tokens,
         new_token_counts=counts,
+        pooled=first.pooled,
     )
 
 

@@ -77,6 +77,13 @@ class Sequence:
     num_preemptions: int = 0
     # --async-scheduling: the token in flight is its last (max_tokens, max_model_len).
     ends_in_flight: bool = False
+    # A pooling request's (an embedding's): its pooling type (LAST, MEAN, CLS), the sum of
+    # the hidden states pooled so far and how many positions they are (MEAN: positions
+    # 0..pool_count-1), and once the prompt is through, the vector.
+    pooling: str | None = None
+    pool_sum: Any = None
+    pool_count: int = 0
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -108,6 +115,12 @@ class Sequence:
             self.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Computes every prompt position itself (prompt logprobs, mean or first-token
+        pooling): no prefix-cache hit may skip any."""
+        return self.prompt_logprobs is not None or self.pooling in ("MEAN", "CLS")
 
     def reset_for_recompute(self) -> None:
         """Preempted: its cache is gone, so every token is recomputed on resumption."""

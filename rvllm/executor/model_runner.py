@@ -62,6 +62,12 @@ class SeqStepOutput:
     # the device until ``device_tokens.resolve_outputs`` fills them in.
     pending: DeviceTokens | None = None
     pending_row: int = 0
+    # A pooling sequence's chunk: the sum of the hidden states of the positions it pools
+    # (from ``pool_first``, ``pool_count`` of them), and whether it ended the prompt.
+    pool_sum: torch.Tensor | None = None
+    pool_count: int = 0
+    pool_first: int = 0
+    pool_done: bool = False
 
 
 def bind_fp8_kv_scales(layers: list[nn.Module], device: torch.device) -> None:
@@ -232,7 +238,8 @@ class ModelRunner:
         plan = _plan_logits(ordered)
         # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
-                           and not plan.prompt and plan.rows == list(range(len(decodes))))
+                           and not plan.prompt and not plan.pool
+                           and plan.rows == list(range(len(decodes))))
         # Only overlapped steps ask (``feed``/``defer``): plain steps skip the row checks.
         on_device = ((feed is not None or defer) and decode_only
                      and self.decode_graphs is not None
@@ -247,7 +254,7 @@ class ModelRunner:
             if outputs is not None:
                 return outputs
         if (prefills and self.decode_graphs is None and self.tp_group is None and use_numba()
-                and not plan.prompt and all(_verifies(s) for s in prefills)):
+                and not plan.prompt and not plan.pool and all(_verifies(s) for s in prefills)):
             outputs = self._compiled_verify_step(ordered, plan)
             if outputs is not None:
                 return outputs
@@ -331,7 +338,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
             # One LM-head call for every row that needs logits (all ranks join it).
             logits = self.model.compute_logits(hidden[logit_rows]).float() if plan.rows else None
-        return self._sample(ordered, plan, logits)
+        outputs = self._sample(ordered, plan, logits)
+        for i, (row, count, first, done) in plan.pool.items():
+            out = outputs[i]
+            if count:
+                out.pool_sum = hidden[row:row + count].float().sum(0)
+            out.pool_count, out.pool_first, out.pool_done = count, first, done
+        return outputs
 
     def _prepare(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -574,6 +587,9 @@ class _LogitsPlan:
     # index in `ordered` -> (first logits row, row count): a speculating sequence's rows,
     # its last committed token's and each draft's
     spec: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # index in `ordered` -> (first hidden row, row count, first position, the chunk ends
+    # the prompt): a pooling sequence's rows to pool, no logits
+    pool: dict[int, tuple[int, int, int, bool]] = field(default_factory=dict)
 
 
 def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
@@ -592,7 +608,9 @@ def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
                 plan.prompt[i] = (len(plan.rows), last - first,
                                   seq.token_ids[first + 1:last + 1])
                 plan.rows.extend(range(start + first - ctx, start + last - ctx))
-        if seq.spec_tokens and s.samples:
+        if seq.pooling is not None:
+            plan.pool[i] = _pool_rows(seq, start, n)
+        elif seq.spec_tokens and s.samples:
             plan.spec[i] = (len(plan.rows), n)
             plan.rows.extend(range(start, start + n))
         elif s.samples:
@@ -602,3 +620,21 @@ def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
     plan.sample_offset = len(plan.rows)
     plan.rows.extend(sample_rows)
     return plan
+
+
+def _pool_rows(seq: Sequence, start: int, n: int) -> tuple[int, int, int, bool]:
+    """A pooling sequence's chunk of ``n`` positions at hidden row ``start``: the rows its
+    pooling takes (``_LogitsPlan.pool``). MEAN takes every position not pooled yet (a
+    chunk recomputed after a preemption adds none twice), LAST the prompt's last, CLS the
+    first."""
+    ctx, total = seq.num_computed_tokens, seq.num_prompt_tokens
+    end = ctx + n
+    if seq.pooling == "MEAN":
+        first = max(ctx, seq.pool_count)
+        last = end
+    elif seq.pooling == "LAST":
+        first, last = total - 1, (total if end == total else total - 1)
+    else:  # CLS
+        first, last = 0, (1 if ctx == 0 else 0)
+    count = max(0, last - first)
+    return start + first - ctx, count, first, end == total

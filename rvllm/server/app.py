@@ -48,6 +48,8 @@ from rvllm.server.protocol import (
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -58,6 +60,7 @@ from rvllm.server.protocol import (
 from rvllm.server.serving import ServingBase
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing
+from rvllm.server.serving_embedding import EmbeddingServing
 from rvllm.server.stats_log import StatsLogger, log_stats_interval
 from rvllm.startup import resume_collector
 
@@ -151,7 +154,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     completions = CompletionServing(serving_engine, names, default_sampling)
     chat = ChatServing(serving_engine, names, tool_call_parser,
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
+    embeddings = EmbeddingServing(serving_engine, names)
     completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
+    embeddings.prompt_tokens_details = prompt_tokens_details
     started = int(time.time())
     fastapi_openapi = app.openapi
 
@@ -178,6 +183,14 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                                           stream=ChatCompletionStreamResponse))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await request.body(), request)
+
+    @app.post("/v1/embeddings", response_model=None,
+              openapi_extra=openapi_request_body(EmbeddingRequest),
+              responses=openapi_responses(EmbeddingResponse, generation_errors,
+                                          ok_description="One vector per input, from a "
+                                          "pooling model (--runner pooling)"))
+    async def create_embedding(request: Request) -> Response:
+        return await embeddings.create(await request.body(), request)
 
     @app.get("/v1/models", response_model=None, responses=openapi_responses(ModelList, (401,)))
     async def list_models() -> dict[str, Any]:

@@ -30,6 +30,7 @@ from rvllm.engine.data_parallel import DataParallelEngine
 from rvllm.engine.process_engine import ProcessEngine
 from rvllm.inputs import PromptType
 from rvllm.outputs import RequestOutput
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.server.errors import APIError
 from rvllm.server.metrics import ServerMetrics
@@ -294,7 +295,8 @@ class TrackedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams,
                           final_only: bool = False) -> RequestStream:
         self._live.added(request_id, prompt)
         try:

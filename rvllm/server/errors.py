@@ -98,7 +98,7 @@ def bad_request(e: ValueError, fields: set[str] | frozenset[str] = frozenset()) 
     message = str(e)
     first = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
     param = first if first in fields else None
-    code = "context_length_exceeded" if "maximum context length" in message else None
+    code = "context_length_exceeded" if "maximum context length is" in message else None
     return APIError(message, 400, param, code)
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonDict, models_json_schema
 
+from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 TokenIds = list[StrictInt]
@@ -313,9 +314,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _cap_prompts(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            _check_count("prompt", prompt, MAX_PROMPTS, "prompts")
-        return prompt
+        return _cap_prompt_list("prompt", prompt)
 
     @field_validator("best_of")
     @classmethod
@@ -331,12 +330,22 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt)
+
+
+def _cap_prompt_list(field: str, prompt: Any) -> Any:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        _check_count(field, prompt, MAX_PROMPTS, "prompts")
+    return prompt
+
+
+def _prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One prompt (a text or token ids) or a list of them, as a list of prompts."""
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], int):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
 
 
 class ContentPart(BaseModel):
@@ -432,6 +441,33 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: StrictStr | None = None
     tokens: TokenIds
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's fields, and vLLM's ``truncate_prompt_tokens``,
+    ``add_special_tokens`` and ``normalize``)."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
+        json_schema_extra=_prompt_schema)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    add_special_tokens: StrictBool = True
+    normalize: StrictBool | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _cap_inputs(cls, value: Any) -> Any:
+        return _cap_prompt_list("input", value)
+
+    def prompts(self) -> list[str | list[int]]:
+        return _prompt_list(self.input)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                             dimensions=self.dimensions, normalize=self.normalize)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -640,6 +676,23 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"]
+    embedding: list[float] | str = Field(description="the vector, or with encoding_format "
+                                                     "base64 its little-endian float32 "
+                                                     "bytes in base64")
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -658,11 +711,12 @@ class DetokenizeResponse(BaseModel):
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
+    DetokenizeRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     CompletionResponse, CompletionStreamResponse, ChatCompletionResponse,
-    ChatCompletionStreamResponse, ModelList, TokenizeResponse, DetokenizeResponse,
-    ErrorResponse)
+    ChatCompletionStreamResponse, EmbeddingResponse, ModelList, TokenizeResponse,
+    DetokenizeResponse, ErrorResponse)
 OPENAPI_REF = "#/components/schemas/{model}"
 
 

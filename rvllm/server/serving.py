@@ -26,7 +26,7 @@ PARAM_FIELDS = frozenset({
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
     "prompt_logprobs", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "priority",
-    "prompt",
+    "prompt", "dimensions", "normalize",
     "response_format", "structured_outputs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_whitespace_pattern",
