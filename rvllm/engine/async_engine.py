@@ -239,6 +239,11 @@ class AsyncEngine:
         return self.engine.runner_type
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence (unless a request ignores EOS)."""
+        return self.engine.eos_token_ids
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 

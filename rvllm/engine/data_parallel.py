@@ -120,6 +120,11 @@ class DataParallelEngine:
         return self.replicas[0].runner_type
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence (unless a request ignores EOS)."""
+        return self.replicas[0].eos_token_ids
+
+    @property
     def is_running(self) -> bool:
         """True while some replica can take requests (others may be restarting)."""
         return not self._stopping and any(r.is_running for r in self.replicas)

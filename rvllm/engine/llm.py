@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from rvllm.config import EngineArgs
 from rvllm.engine.llm_engine import LLMEngine
 from rvllm.inputs import PromptType
@@ -93,6 +94,32 @@ class LLM:
                            for p in params_list]
         outputs = self._run(self._add(prompts, params_list), use_tqdm)
         return [EmbeddingRequestOutput.from_output(o) for o in outputs]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams, use_tqdm: bool = False
+                    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (``rvllm.beam_search``): ``params.beam_width``
+        sequences per prompt, best first, their ``tokens`` starting with the prompt's."""
+        engine = self.engine
+        searches = []
+        for prompt in _prompt_list(prompts):
+            _, ids = engine.tokenize_prompt(prompt, engine.max_model_len)
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids,
+                                       engine.max_model_len))
+        bar = tqdm(total=max(s.max_tokens for s in searches), desc="Beam search",
+                   disable=not use_tqdm)
+        while live := [s for s in searches if not s.done]:
+            beams = [(s, beam) for s in live for beam in s.beams]
+            outputs = self._run(self._add([beam.tokens for _, beam in beams],
+                                          [s.step_params() for s, _ in beams]), False)
+            start = 0
+            for search in live:
+                count = len(search.beams)
+                search.advance(outputs[start:start + count])
+                start += count
+            bar.update(1)
+        bar.close()
+        return [BeamSearchOutput(s.results(engine.tokenizer)) for s in searches]
 
     def _add(self, prompts: list[PromptType],
              params_list: Sequence[SamplingParams | PoolingParams]) -> list[str]:

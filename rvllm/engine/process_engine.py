@@ -186,6 +186,11 @@ class ProcessEngine:
         return self._info.settings.get("runner", "generate")
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence (unless a request ignores EOS)."""
+        return self._info.eos_token_ids
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid
 

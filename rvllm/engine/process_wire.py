@@ -36,6 +36,7 @@ class EngineInfo:
     vocab_size: int
     # ``LLMEngine.settings()``: what the engine resolved (dtype, kernels, ...), as strings.
     settings: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -272,7 +273,7 @@ def child_main(args: EngineArgs, requests: Connection, outputs: Connection,
         resume_collector()
         config = engine.model_config
         info = EngineInfo(config.path, config.max_model_len, config.vocab_size,
-                          engine.settings())
+                          engine.settings(), engine.eos_token_ids)
         outputs.send(("ready", (info, snapshot_of(engine))))
         serve(engine, requests, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):

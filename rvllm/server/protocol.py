@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonDict, models_json_schema
 
+from rvllm.beam_search import BeamSearchParams
 from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -157,6 +158,9 @@ class SamplingRequest(_Strict):
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = None
+    # Beam search (vLLM's): n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
     # Constrained output: OpenAI's response_format, vLLM's structured_outputs, and
     # vLLM's older guided_* fields (aliases of structured_outputs' kinds).
     response_format: ResponseFormat | None = None
@@ -246,6 +250,22 @@ class SamplingRequest(_Strict):
             structured_outputs=self.structured_outputs_params(),
         )
 
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """With ``use_beam_search``: ``n`` beams of at most ``max_tokens`` (None: the rest
+        of the context); ValueError naming a field beam search does not take
+        (``BEAM_SEARCH_REFUSES``)."""
+        refused = sorted(self.model_fields_set & BEAM_SEARCH_REFUSES)
+        if refused:
+            raise ValueError(f"{refused[0]} is not supported with use_beam_search.")
+        if self.stream:
+            raise ValueError("stream is not supported with use_beam_search: the beams are "
+                             "known only at the end.")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos,
+                                temperature=_or(self.temperature, 0.0),
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
+
     def constraint_field(self) -> str:
         """The field the request's constraint came from, for errors' ``param``."""
         if self.response_format is not None and self.response_format.type != "text":
@@ -300,6 +320,16 @@ class SamplingRequest(_Strict):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+# Fields that change what is sampled or returned per token, which beam search (ranking
+# candidates by the model's logprobs, returning whole beams) does not take.
+BEAM_SEARCH_REFUSES = frozenset({
+    "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "allowed_token_ids", "stop", "stop_token_ids", "min_tokens", "logprobs",
+    "top_logprobs", "prompt_logprobs", "response_format", "structured_outputs",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools", "best_of",
+})
 
 
 class CompletionRequest(SamplingRequest):

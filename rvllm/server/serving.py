@@ -15,10 +15,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from rvllm.beam_search import BeamSearch, BeamSearchParams, as_request_output
 from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, PromptType, RequestStream
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.server.errors import APIError, bad_request
+from rvllm.server.protocol import BEAM_SEARCH_REFUSES
 
 DONE = "data: [DONE]\n\n"
 # What SamplingParams and the engine name at the start of their messages.
@@ -26,11 +28,14 @@ PARAM_FIELDS = frozenset({
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
     "prompt_logprobs", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "priority",
-    "prompt", "dimensions", "normalize",
+    "prompt", "dimensions", "normalize", "use_beam_search", "length_penalty",
     "response_format", "structured_outputs",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_whitespace_pattern",
 })
+
+# What beam search's refusals start with: PARAM_FIELDS and the fields it does not take.
+BEAM_SEARCH_FIELDS = PARAM_FIELDS | BEAM_SEARCH_REFUSES | {"stream"}
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -121,6 +126,49 @@ class ServingBase:
         if isinstance(err, EngineDeadError):
             raise APIError(str(err), 503)
         raise err
+
+    async def beam_search(self, request_id: str, prompts: Sequence[str | list[int]],
+                          params: BeamSearchParams, request: Request) -> list[RequestOutput]:
+        """Beam search over each prompt (``rvllm.beam_search``), every live beam of every
+        prompt one request of each step; a finished output per prompt, its beams the
+        completions, best first. A client that hangs up aborts the step's requests."""
+        engine = self.engine
+        searches = []
+        try:
+            for prompt in prompts:
+                ids = prompt if isinstance(prompt, list) else self._encode(prompt)
+                searches.append(BeamSearch(ids, params, engine.eos_token_ids,
+                                           engine.max_model_len))
+        except ValueError as e:
+            raise bad_request(e, PARAM_FIELDS) from e
+        arrival = time.time()
+        step = 0
+        while live := [s for s in searches if not s.done]:
+            beams = [(s, beam) for s in live for beam in s.beams]
+            streams = await self.add_requests(
+                f"{request_id}-step{step}", [beam.tokens for _, beam in beams],
+                live[0].step_params(), final_only=True)
+            try:
+                outputs = await self.collect(streams, request)
+            finally:
+                self.abort_unfinished(streams)
+            start = 0
+            for search in live:
+                count = len(search.beams)
+                search.advance(outputs[start:start + count])
+                start += count
+            step += 1
+        return [as_request_output(f"{request_id}-{i}", p if isinstance(p, str) else None,
+                                  s.prompt_ids, s.results(engine.tokenizer), arrival)
+                for i, (p, s) in enumerate(zip(prompts, searches))]
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.engine.tokenizer.encode_bounded(text, self.engine.max_model_len)
+        if ids is None:
+            raise ValueError(f"This model's maximum context length is "
+                             f"{self.engine.max_model_len} tokens, and the prompt "
+                             f"({len(text)} characters) is longer than that.")
+        return ids
 
     def sse_response(self, events: AsyncIterator[str],
                      streams: list[RequestStream]) -> StreamingResponse:

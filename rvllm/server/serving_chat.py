@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
 from rvllm.outputs import Logprob, RequestOutput
-from rvllm.sampling_params import StructuredOutputsParams
+from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from rvllm.server.errors import APIError, bad_request, error_event
 from rvllm.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from rvllm.server.reasoning_parsers import (
@@ -23,6 +23,7 @@ from rvllm.server.reasoning_parsers import (
     get_reasoning_parser,
 )
 from rvllm.server.serving import (
+    BEAM_SEARCH_FIELDS,
     DONE,
     PARAM_FIELDS,
     ServingBase,
@@ -69,6 +70,8 @@ class ChatServing(ServingBase):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
+        if req.use_beam_search:
+            return await self._beam_search(req, tools, prompt_ids, max_tokens, request)
         try:
             params = req.sampling_params(max_tokens, logprobs, req.prompt_logprobs,
                                          self.default_sampling)
@@ -95,6 +98,18 @@ class ChatServing(ServingBase):
             (final,) = await self.collect(streams, request)
         finally:
             self.abort_unfinished(streams)
+        return JSONResponse(self._response(req, tools, thinking, request_id, final))
+
+    async def _beam_search(self, req: ChatCompletionRequest, tools: _ToolUse,
+                           prompt_ids: list[int], max_tokens: int | None, request: Request
+                           ) -> Response:
+        try:
+            params = req.beam_search_params(max_tokens)
+        except ValueError as e:
+            raise bad_request(e, BEAM_SEARCH_FIELDS) from e
+        request_id = self.new_id()
+        (final,) = await self.beam_search(request_id, [prompt_ids], params, request)
+        thinking = self._thinking(prompt_ids, SamplingParams())
         return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
     def _thinking(self, prompt_ids: list[int], params: Any) -> _Thinking | None:

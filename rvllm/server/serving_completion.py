@@ -13,6 +13,7 @@ from rvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rvllm.server.errors import APIError, bad_request, error_event
 from rvllm.server.protocol import CompletionRequest
 from rvllm.server.serving import (
+    BEAM_SEARCH_FIELDS,
     DONE,
     PARAM_FIELDS,
     ServingBase,
@@ -38,6 +39,8 @@ class CompletionServing(ServingBase):
         prompts = req.prompts()
         if not prompts:
             raise APIError("prompt must not be empty.", param="prompt")
+        if req.use_beam_search:
+            return await self._beam_search(req, prompts, request)
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             # Echoed prompt tokens carry logprobs too: what lm-evaluation-harness scores.
@@ -56,6 +59,16 @@ class CompletionServing(ServingBase):
             finals = await self.collect(streams, request)
         finally:
             self.abort_unfinished(streams)
+        return JSONResponse(self._response(req, request_id, finals))
+
+    async def _beam_search(self, req: CompletionRequest, prompts: list[str | list[int]],
+                           request: Request) -> Response:
+        try:
+            params = req.beam_search_params(req.max_tokens)
+        except ValueError as e:
+            raise bad_request(e, BEAM_SEARCH_FIELDS) from e
+        request_id = self.new_id()
+        finals = await self.beam_search(request_id, prompts, params, request)
         return JSONResponse(self._response(req, request_id, finals))
 
     # ---------------------------------------------------------------- whole
