@@ -85,3 +85,19 @@ class EmbeddingRequestOutput:
         assert out.pooled is not None, "not a pooling request's output"
         return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.pooled),
                    out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair: the cosine similarity of the two texts'
+    embeddings, and both texts' prompt token ids, one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

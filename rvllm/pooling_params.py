@@ -11,6 +11,7 @@ was trained with; ``--pooler-config`` sets them over everything.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,27 @@ def resolve_runner(runner: str, convert: str) -> str:
                              "runner='pooling' leave convert as auto (or embed).")
         return "pooling"
     return "generate"
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """vLLM's pairing of a score request's two sides: one first text against each
+    second text, or the two lists zipped. Indices into the first list, then into the
+    second; ValueError where the lengths do not pair."""
+    if num_first == 0 or num_second == 0:
+        raise ValueError("text_1 and text_2 must each hold at least one text.")
+    if num_first == 1:
+        return [(0, j) for j in range(num_second)]
+    if num_first != num_second:
+        raise ValueError(f"text_1 and text_2 must have the same length (or text_1 one "
+                         f"text); got {num_first} and {num_second}.")
+    return [(i, i) for i in range(num_first)]
+
+
+def cosine_similarity(a: list[float], b: list[float]) -> float:
+    """The cosine of the angle between two vectors (0 where either is all zeros)."""
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
 
 
 def matryoshka_dimensions(hf_config: dict[str, Any]) -> list[int] | None:

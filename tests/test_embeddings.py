@@ -192,6 +192,25 @@ def test_pooling_refuses_speculation_and_a_bad_pooling_type(llama_dir):
         LLM(str(llama_dir), runner="pooling", pooler_config={"pooling_type": "ALL"})
 
 
+def test_score_is_the_cosine_of_the_embeddings_one_to_many_or_pairwise(llama_dir):
+    llm = LLM(str(llama_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"})
+    texts = ["The quick brown fox", "def add(a, b):", "hello world"]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts)]
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+    one_to_many = llm.score(texts[0], texts[1:])
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(
+        [cos(vectors[0], vectors[1]), cos(vectors[0], vectors[2])], abs=1e-6)
+    pairwise = llm.score(texts[:2], texts[1:])
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [cos(vectors[0], vectors[1]), cos(vectors[1], vectors[2])], abs=1e-6)
+    assert llm.score("same", "same")[0].outputs.score == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="same length"):
+        llm.score(texts[:2], texts)
+
+
 @pytest.fixture(scope="module")
 def server(llama_dir):
     srv = ServerProcess(llama_dir, "--runner", "pooling", "--served-model-name", "emb",
@@ -245,3 +264,36 @@ def server_model_dir(server: ServerProcess) -> str:
     import httpx
 
     return httpx.get(f"{server.url}/v1/models").json()["data"][0]["root"]
+
+
+def test_score_and_rerank_over_http(server):
+    import httpx
+
+    texts = ["The quick brown fox", "def add(a, b):", "hello world", "return a + b"]
+    floats = httpx.post(f"{server.url}/v1/embeddings",
+                        json={"input": texts, "encoding_format": "float"}).json()
+    vectors = [torch.tensor(d["embedding"]) for d in floats["data"]]
+
+    def cos(i: int, j: int) -> float:
+        return torch.nn.functional.cosine_similarity(vectors[i], vectors[j], dim=0).item()
+
+    for path in ("/score", "/v1/score"):
+        scored = httpx.post(f"{server.url}{path}",
+                            json={"text_1": texts[0], "text_2": texts[1:]}).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(
+            [cos(0, 1), cos(0, 2), cos(0, 3)], abs=1e-6)
+        assert [d["index"] for d in scored["data"]] == [0, 1, 2]
+    bad = httpx.post(f"{server.url}/score", json={"text_1": texts[:2], "text_2": texts})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(f"{server.url}{path}", json={
+            "query": texts[1], "documents": [texts[0], texts[2], texts[3]], "top_n": 2}).json()
+        want = sorted([(cos(1, 0), 0), (cos(1, 2), 1), (cos(1, 3), 2)], reverse=True)[:2]
+        assert [r["index"] for r in ranked["results"]] == [i for _, i in want]
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+            [s for s, _ in want], abs=1e-6)
+        assert ranked["results"][0]["document"]["text"] == [texts[0], texts[2], texts[3]][
+            want[0][1]]
+        assert ranked["usage"]["total_tokens"] > 0
+    empty = httpx.post(f"{server.url}/rerank", json={"query": "x", "documents": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"

@@ -136,6 +136,8 @@ BAD_REQUESTS = [
     ("embeddings from a generating model", "/v1/embeddings", {"input": "hi"}, 400, None,
      "--runner pooling"),
     ("embeddings without input", "/v1/embeddings", {}, 400, "input", "input"),
+    ("score from a generating model", "/score", {"text_1": "a", "text_2": "b"}, 400, None,
+     "--runner pooling"),
 ]
 
 

@@ -12,8 +12,13 @@ from rvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from rvllm.config import EngineArgs
 from rvllm.engine.llm_engine import LLMEngine
 from rvllm.inputs import PromptType
-from rvllm.outputs import EmbeddingRequestOutput, RequestOutput
-from rvllm.pooling_params import PoolingParams
+from rvllm.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from rvllm.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from rvllm.sampling_params import SamplingParams
 from rvllm.tokenizer import Tokenizer
 
@@ -94,6 +99,25 @@ class LLM:
                            for p in params_list]
         outputs = self._run(self._add(prompts, params_list), use_tqdm)
         return [EmbeddingRequestOutput.from_output(o) for o in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+              ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of embeddings (a pooling model's): ``text_1`` (one text)
+        against each of ``text_2``, or the two lists pair by pair, as vLLM scores with an
+        embedding model."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = score_pairs(len(first), len(second))
+        embedded = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm)
+        results = []
+        for i, j in pairs:
+            a, b = embedded[i], embedded[len(first) + j]
+            results.append(ScoringRequestOutput(
+                f"{a.request_id}-{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding))))
+        return results
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams, use_tqdm: bool = False

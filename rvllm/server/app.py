@@ -13,7 +13,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,10 @@ from rvllm.server.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     complete_openapi,
@@ -192,6 +196,20 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     async def create_embedding(request: Request) -> Response:
         return await embeddings.create(await request.body(), request)
 
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, _route(embeddings.score), methods=["POST"],
+                          response_model=None, openapi_extra=openapi_request_body(ScoreRequest),
+                          responses=openapi_responses(
+                              ScoreResponse, generation_errors, ok_description="The cosine "
+                              "similarity of each pair's embeddings (a pooling model's)"))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, _route(embeddings.rerank), methods=["POST"],
+                          response_model=None, openapi_extra=openapi_request_body(RerankRequest),
+                          responses=openapi_responses(
+                              RerankResponse, generation_errors, ok_description="The "
+                              "documents by the cosine similarity of their embeddings to the "
+                              "query's, best first (a pooling model's)"))
+
     @app.get("/v1/models", response_model=None, responses=openapi_responses(ModelList, (401,)))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -250,6 +268,15 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     if board is not None:
         board.add_routes(app)
     return app
+
+
+def _route(handler: Callable[[bytes, Request], Awaitable[Response]]
+           ) -> Callable[[Request], Awaitable[Response]]:
+    """A POST route that hands its raw body to ``handler``."""
+    async def route(request: Request) -> Response:
+        return await handler(await request.body(), request)
+
+    return route
 
 
 def run_server(ns: argparse.Namespace, started: ProcessEngine | None = None) -> None:

@@ -706,6 +706,75 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
+class ScoreRequest(_Strict):
+    """POST /score and /v1/score (vLLM's): ``text_1`` (one text, or a list) scored
+    against ``text_2`` (one text, or a list as long)."""
+
+    model: StrictStr | None = None
+    text_1: StrictStr | list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
+    text_2: StrictStr | list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
+    truncate_prompt_tokens: StrictInt | None = None
+    user: StrictStr | None = None
+
+    @field_validator("text_1", "text_2")
+    @classmethod
+    def _cap_texts(cls, value: Any, info: ValidationInfo) -> Any:
+        return _cap_prompt_list(str(info.field_name), value)
+
+
+class RerankRequest(_Strict):
+    """POST /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's shape, as vLLM has
+    it): ``documents`` ranked by their score against ``query``, the best ``top_n``."""
+
+    model: StrictStr | None = None
+    query: StrictStr
+    documents: list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
+    top_n: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    user: StrictStr | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _cap_documents(cls, value: list[str]) -> list[str]:
+        return _check_count("documents", value, MAX_PROMPTS, "documents")
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the document's place in the request's list")
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="best first")
+
+
 class EmbeddingData(BaseModel):
     index: int
     object: Literal["embedding"]
@@ -741,12 +810,12 @@ class DetokenizeResponse(BaseModel):
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest,
-    DetokenizeRequest)
+    CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest,
+    TokenizeRequest, DetokenizeRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     CompletionResponse, CompletionStreamResponse, ChatCompletionResponse,
-    ChatCompletionStreamResponse, EmbeddingResponse, ModelList, TokenizeResponse,
-    DetokenizeResponse, ErrorResponse)
+    ChatCompletionStreamResponse, EmbeddingResponse, ScoreResponse, RerankResponse,
+    ModelList, TokenizeResponse, DetokenizeResponse, ErrorResponse)
 OPENAPI_REF = "#/components/schemas/{model}"
 
 

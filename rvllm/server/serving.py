@@ -85,8 +85,8 @@ class ServingBase:
             raise APIError(f"The model `{model}` does not exist.", 404, "model",
                            "model_not_found")
 
-    def new_id(self) -> str:
-        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def new_id(self, prefix: str | None = None) -> str:
+        return f"{prefix or self.id_prefix}-{uuid.uuid4().hex}"
 
     @staticmethod
     def created() -> int:

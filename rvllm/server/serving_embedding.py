@@ -1,5 +1,7 @@
-"""POST /v1/embeddings: texts or token ids in, one vector each out, from an engine started
-as a pooling model (``--runner pooling`` or ``--convert embed``)."""
+"""What a pooling model (``--runner pooling`` or ``--convert embed``) answers:
+POST /v1/embeddings, texts or token ids in, one vector each out; and, from those vectors,
+vLLM's /score (cosine similarities of text pairs) and /rerank (documents ranked against
+a query)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rvllm.outputs import RequestOutput
+from rvllm.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from rvllm.server.errors import APIError, bad_request
-from rvllm.server.protocol import EmbeddingRequest
+from rvllm.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from rvllm.server.serving import PARAM_FIELDS, ServingBase
 
 
@@ -32,17 +35,74 @@ class EmbeddingServing(ServingBase):
         if not req.add_special_tokens:
             prompts = [self._tokens(p, req.truncate_prompt_tokens) for p in prompts]
         request_id = self.new_id()
+        finals = await self._embed(request_id, prompts, params, request)
+        return JSONResponse(self._response(req, request_id, finals))
+
+    async def score(self, body: bytes, request: Request) -> Response:
+        req = ScoreRequest.model_validate_json(body)
+        self.check_model(req.model)
+        first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+        second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+        try:
+            pairs = score_pairs(len(first), len(second))
+        except ValueError as e:
+            raise APIError(str(e), param="text_2" if first else "text_1") from e
+        request_id = self.new_id("score")
+        vectors, tokens = await self._vectors(request_id, first + second,
+                                              req.truncate_prompt_tokens, request)
+        data = [{"index": k, "object": "score",
+                 "score": cosine_similarity(vectors[i], vectors[len(first) + j])}
+                for k, (i, j) in enumerate(pairs)]
+        return JSONResponse({"id": request_id, "object": "list", "created": self.created(),
+                             "model": self.model_name, "data": data,
+                             "usage": self.usage(tokens, 0, 0)})
+
+    async def rerank(self, body: bytes, request: Request) -> Response:
+        req = RerankRequest.model_validate_json(body)
+        self.check_model(req.model)
+        if not req.documents:
+            raise APIError("documents must hold at least one document.", param="documents")
+        if req.top_n is not None and req.top_n < 0:
+            raise APIError(f"top_n must be at least 0, got {req.top_n}.", param="top_n")
+        request_id = self.new_id("rerank")
+        vectors, tokens = await self._vectors(request_id, [req.query, *req.documents],
+                                              req.truncate_prompt_tokens, request)
+        results = [{"index": i, "document": {"text": doc},
+                    "relevance_score": cosine_similarity(vectors[0], vectors[i + 1])}
+                   for i, doc in enumerate(req.documents)]
+        results.sort(key=lambda r: r["relevance_score"], reverse=True)
+        if req.top_n:  # 0 or unset: every document
+            results = results[:req.top_n]
+        return JSONResponse({"id": request_id, "model": self.model_name,
+                             "usage": {"total_tokens": tokens}, "results": results})
+
+    async def _vectors(self, request_id: str, texts: list[str], truncate: int | None,
+                       request: Request) -> tuple[list[list[float]], int]:
+        """Each text's embedding (as the server pools them) and the tokens they took."""
+        try:
+            params = PoolingParams(truncate_prompt_tokens=truncate)
+        except ValueError as e:
+            raise bad_request(e, PARAM_FIELDS) from e
+        finals = await self._embed(request_id, list(texts), params, request)
+        return ([f.pooled for f in finals],  # type: ignore[misc]
+                sum(len(f.prompt_token_ids) for f in finals))
+
+    async def _embed(self, request_id: str, prompts: list[str | list[int]],
+                     params: PoolingParams, request: Request) -> list[RequestOutput]:
+        """Every prompt's finished output, each with its vector."""
         try:
             streams = await self.add_requests(request_id, prompts, params, final_only=True)
         except APIError as e:
-            if e.param == "prompt":  # the engine's name for what this API calls input
+            if e.param == "prompt":  # the engine's name for the texts given
                 e.param = "input"
             raise
         try:
             finals = await self.collect(streams, request)
         finally:
             self.abort_unfinished(streams)
-        return JSONResponse(self._response(req, request_id, finals))
+        if any(f.pooled is None for f in finals):
+            raise APIError("The request was aborted.", 503)
+        return finals
 
     def _tokens(self, prompt: str | list[int], truncate: int | None) -> list[int]:
         """A text's token ids without the tokenizer's special tokens (BOS); tokenized
@@ -63,12 +123,10 @@ class EmbeddingServing(ServingBase):
 
     def _response(self, req: EmbeddingRequest, request_id: str,
                   finals: list[RequestOutput]) -> dict[str, Any]:
-        data = []
-        for i, final in enumerate(finals):
-            if final.pooled is None:
-                raise APIError("The request was aborted.", 503)
-            data.append({"index": i, "object": "embedding",
-                         "embedding": encode_embedding(final.pooled, req.encoding_format)})
+        data = [{"index": i, "object": "embedding",
+                 "embedding": encode_embedding(final.pooled,  # type: ignore[arg-type]
+                                               req.encoding_format)}
+                for i, final in enumerate(finals)]
         prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
         return {"id": request_id, "object": "list", "created": self.created(),
                 "model": self.model_name, "data": data,
