@@ -220,6 +220,26 @@ def test_chat_logprobs_and_top_logprobs(client):
         assert item.bytes == list(item.token.encode())
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
+    ids = tokenize(server, PROMPT)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True,
+                                  logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    by_text = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4,
+                                             temperature=0, logprobs=True, top_logprobs=2)
+    by_id = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4,
+                                           temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    named = [item.token for item in by_id.choices[0].logprobs.content]
+    assert all(t.startswith("token_id:") for t in named)
+    decoded = httpx.post(f"{server.url}/detokenize", headers=HEADERS, json={
+        "tokens": [int(t.removeprefix("token_id:")) for t in named]}).json()["prompt"]
+    assert decoded == "".join(item.token for item in by_text.choices[0].logprobs.content)
+    assert by_id.choices[0].logprobs.content[0].bytes == list(named[0].encode())
+
+
 def test_echo_logprobs_max_tokens_0_scores_the_prompt_like_transformers(server, client,
                                                                         llama_dir):
     from transformers import AutoModelForCausalLM
@@ -305,7 +325,7 @@ def test_prompt_tokens_details_max_logprobs_and_priorities(llama_dir, client):
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1
                                      ).usage.prompt_tokens_details is None
     srv = ServerProcess(llama_dir, "--enable-prompt-tokens-details", "--max-logprobs", "30",
-                        "--scheduling-policy", "priority")
+                        "--scheduling-policy", "priority", "--return-tokens-as-token-ids")
     try:
         other = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
         model = other.models.list().data[0].id
@@ -323,6 +343,11 @@ def test_prompt_tokens_details_max_logprobs_and_priorities(llama_dir, client):
             model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
             logprobs=True, top_logprobs=25)
         assert len(top.choices[0].logprobs.content[0].top_logprobs) == 25
+        # --return-tokens-as-token-ids: by id, unless the request says otherwise.
+        assert top.choices[0].logprobs.content[0].token.startswith("token_id:")
+        text = other.completions.create(model=model, prompt=PROMPT, max_tokens=2, logprobs=1,
+                                        extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in text.choices[0].logprobs.tokens)
         with pytest.raises(openai.BadRequestError) as e:
             other.completions.create(model=model, prompt=PROMPT, max_tokens=1, logprobs=31)
         assert e.value.body["param"] == "logprobs" and "30" in e.value.body["message"]

@@ -117,6 +117,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               reasoning_parser: str | None = None,
               default_sampling: dict[str, Any] | None = None,
               prompt_tokens_details: bool = False,
+              return_tokens_as_token_ids: bool = False,
               log_stats_interval_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
@@ -128,7 +129,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     live requests if ``dashboard_show_prompts``. ``reasoning_parser`` splits chat output
     into ``reasoning`` and ``content``. ``default_sampling`` (``EngineArgs.sampling_defaults``)
     fills the sampling fields a request leaves unset. ``prompt_tokens_details`` puts the
-    prefix cache's share of the prompt in ``usage``. ``log_stats_interval_s``: log the
+    prefix cache's share of the prompt in ``usage``. ``return_tokens_as_token_ids`` names
+    logprobs' tokens by id unless a request says otherwise. ``log_stats_interval_s``: log the
     stats line that often (``stats_log``); None: never."""
 
     @asynccontextmanager
@@ -160,6 +162,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
     embeddings = EmbeddingServing(serving_engine, names)
     completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
+    completions.tokens_as_ids = chat.tokens_as_ids = return_tokens_as_token_ids
     embeddings.prompt_tokens_details = prompt_tokens_details
     started = int(time.time())
     fastapi_openapi = app.openapi
@@ -331,6 +334,7 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
             "dashboard_show_prompts": ns.dashboard_show_prompts,
             "reasoning_parser": ns.reasoning_parser,
             "prompt_tokens_details": ns.enable_prompt_tokens_details,
+            "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
             "log_stats_interval_s": log_stats_interval(ns.disable_log_stats),
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 

@@ -54,6 +54,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
                         "prefix cache had")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name each token as "token_id:<id>" rather than its text '
+                        "(for tokens that are not whole characters); a request's "
+                        "return_tokens_as_token_ids overrides it")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto"): its calls '
                         "are read out of its text by --tool-call-parser")

@@ -158,6 +158,8 @@ class SamplingRequest(_Strict):
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = None
+    # logprobs name tokens "token_id:<id>" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: StrictBool | None = None
     # Beam search (vLLM's): n beams, ranked by cumulative logprob / length ** length_penalty
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
@@ -312,6 +314,10 @@ class SamplingRequest(_Strict):
             message = str(e).removeprefix("structured_outputs")
             raise ValueError(f"{field}{message}" if message != str(e) else f"{field}: {e}"
                              ) from None
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        """Whether logprobs name tokens by id: the request's choice, else the server's."""
+        return _or(self.return_tokens_as_token_ids, server_default)
 
     @property
     def include_usage(self) -> bool:

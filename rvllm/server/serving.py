@@ -60,6 +60,8 @@ class ServingBase:
     max_waiting_requests = 0
     # ``--enable-prompt-tokens-details``: usage counts the prompt tokens the prefix cache had.
     prompt_tokens_details = False
+    # ``--return-tokens-as-token-ids``: logprobs name tokens "token_id:<id>" by default.
+    tokens_as_ids = False
     RETRY_AFTER_S = 1
 
     def __init__(self, engine: AsyncEngine, model_names: str | Sequence[str],
@@ -79,6 +81,14 @@ class ServingBase:
         if self.prompt_tokens_details:
             out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return out
+
+    def token_name(self, token_id: int, decoded: str | None, as_ids: bool) -> str:
+        """How logprobs name a token: its text, or with ``as_ids`` "token_id:<id>"."""
+        if as_ids:
+            return f"token_id:{token_id}"
+        if decoded is None:
+            return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return decoded
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

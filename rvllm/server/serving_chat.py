@@ -140,7 +140,8 @@ class ChatServing(ServingBase):
             choices.append({
                 "index": c.index,
                 "message": message,
-                "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
+                                           req.tokens_as_ids(self.tokens_as_ids))
                 if req.logprobs else None,
                 "finish_reason": _finish_reason(c.finish_reason, calls),
                 "stop_reason": c.stop_reason,
@@ -163,6 +164,7 @@ class ChatServing(ServingBase):
         extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
+        as_ids = req.tokens_as_ids(self.tokens_as_ids)
         tool_streams = [tools.stream() for _ in range(req.n)]
         reasoning_streams = [None if thinking is None
                              else thinking.parser.start_stream(thinking.prompt_tail)
@@ -189,7 +191,8 @@ class ChatServing(ServingBase):
                         continue
                     sent_text[i], sent_tokens[i] = len(c.text), end
                     logprobs = _chat_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
-                                              req.top_logprobs or 0) if req.logprobs else None
+                                              req.top_logprobs or 0, as_ids
+                                              ) if req.logprobs else None
                     finish_reason = c.finish_reason
                     reasoning = ""
                     if reasoning_streams[i] is not None:
@@ -499,18 +502,19 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
 
 
 def _chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None,
-                   k: int) -> dict[str, Any]:
+                   k: int, as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI's chat logprobs; with ``as_ids`` each token is "token_id:<id>"."""
     content = []
     for token_id, entry in zip(token_ids, entries or []):
-        chosen = entry[token_id]
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k),
-                     key=lambda lp: lp.rank or 0)
-        content.append({**_token_logprob(chosen),
-                        "top_logprobs": [_token_logprob(lp) for lp in top]})
+        top = sorted((item for item in entry.items()
+                      if item[1].rank is not None and item[1].rank <= k),
+                     key=lambda item: item[1].rank or 0)
+        content.append({**_token_logprob(token_id, entry[token_id], as_ids),
+                        "top_logprobs": [_token_logprob(t, lp, as_ids) for t, lp in top]})
     return {"content": content}
 
 
-def _token_logprob(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
+def _token_logprob(token_id: int, lp: Logprob, as_ids: bool) -> dict[str, Any]:
+    token = f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
     return {"token": token, "logprob": clamp_logprob(lp.logprob),
             "bytes": list(token.encode("utf-8"))}

@@ -115,28 +115,32 @@ class CompletionServing(ServingBase):
             entries += final.prompt_logprobs
         ids += c.token_ids[start:end]
         entries += (c.logprobs or [])[start:end]
-        return self._legacy_logprobs(ids, entries, req.logprobs, offset)
+        return self._legacy_logprobs(ids, entries, req.logprobs, offset,
+                                     req.tokens_as_ids(self.tokens_as_ids))
 
     def _legacy_logprobs(self, ids: list[int], entries: LogprobEntries, k: int,
-                         offset: int) -> dict[str, Any]:
+                         offset: int, as_ids: bool) -> dict[str, Any]:
+        """With ``as_ids`` each token is "token_id:<id>" (and text offsets advance by
+        those names, as vLLM's do)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
         text_offset: list[int] = []
         for token_id, entry in zip(ids, entries):
             if entry is None:  # the first prompt token: nothing predicts it
-                token = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+                token = self.token_name(token_id, None, as_ids)
                 token_logprobs.append(None)
                 top_logprobs.append(None)
             else:
                 chosen = entry[token_id]
-                token = chosen.decoded_token or ""
+                token = self.token_name(token_id, chosen.decoded_token or "", as_ids)
                 token_logprobs.append(clamp_logprob(chosen.logprob))
                 top: dict[str, float] = {}
                 for tid, lp in entry.items():
                     if tid == token_id or (lp.rank is not None and lp.rank <= k):
                         # Keyed by text, so tokens that decode alike collide: keep the best.
-                        text, value = lp.decoded_token or "", clamp_logprob(lp.logprob)
+                        text = self.token_name(tid, lp.decoded_token or "", as_ids)
+                        value = clamp_logprob(lp.logprob)
                         top[text] = max(value, top.get(text, value))
                 top_logprobs.append(top)
             tokens.append(token)
