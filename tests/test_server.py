@@ -142,6 +142,23 @@ def test_continue_final_message_extends_the_assistant_turn(server, client):
     assert r.usage.prompt_tokens == len(ids)
     same = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0)
     assert r.choices[0].message.content == same.choices[0].text
+    # echo: the reply opens with the assistant message it continues, whole and streamed.
+    echoed = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "echo": True})
+    assert echoed.choices[0].message.content == "Paris is" + same.choices[0].text
+    events = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0, stream=True,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "echo": True})
+    streamed = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert streamed == echoed.choices[0].message.content
+    # After a user message there is nothing to echo.
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3,
+                                           temperature=0, extra_body={"echo": True})
+    assert plain.choices[0].message.content == client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0).choices[0].message.content
 
 
 def test_per_request_chat_template_and_its_variables(server, client):

@@ -436,6 +436,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     # vLLM's chat extras
+    echo: StrictBool = False  # the reply opens with the last message, when the assistant's
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None

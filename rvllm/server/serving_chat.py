@@ -137,6 +137,9 @@ class ChatServing(ServingBase):
                                        "tool_calls": [_tool_call_json(call) for call in calls]}
             if thinking is not None:
                 message["reasoning"] = message["reasoning_content"] = reasoning
+            echo = _echo(req)
+            if echo:
+                message["content"] = echo + (content or "")
             choices.append({
                 "index": c.index,
                 "message": message,
@@ -175,6 +178,11 @@ class ChatServing(ServingBase):
             yield "".join(sse({**head, "choices": [
                 {"index": i, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None}], **extra}) for i in range(req.n))
+            echo = _echo(req)
+            if echo:
+                yield "".join(sse({**head, "choices": [
+                    {"index": i, "delta": {"content": echo}, "logprobs": None,
+                     "finish_reason": None}], **extra}) for i in range(req.n))
             async for _, out in merge_streams([stream]):
                 prompt_tokens = len(out.prompt_token_ids)
                 cached_tokens = out.num_cached_tokens
@@ -443,6 +451,17 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
             raise APIError("add_generation_prompt and continue_final_message cannot both be "
                            "true.", param="continue_final_message")
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """With ``echo``, what the reply opens with: the last message's text, when it is the
+    assistant's (the message ``continue_final_message`` continues), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content if part.type == "text")
 
 
 def _add_generation_prompt(req: ChatCompletionRequest) -> bool:
