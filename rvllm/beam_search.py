@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rvllm.lora.request import LoRARequest
 from rvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from rvllm.sampling_params import SamplingParams, _check_int, _check_number
 
@@ -81,7 +82,8 @@ class BeamSearch:
     ValueError where the prompt leaves no room for ``max_tokens`` in ``max_model_len``."""
 
     def __init__(self, prompt_ids: list[int], params: BeamSearchParams,
-                 eos_token_ids: frozenset[int], max_model_len: int) -> None:
+                 eos_token_ids: frozenset[int], max_model_len: int,
+                 lora_request: LoRARequest | None = None) -> None:
         if not prompt_ids:
             raise ValueError("prompt is empty: give at least one token.")
         self.max_tokens = (max_model_len - len(prompt_ids) if params.max_tokens is None
@@ -93,6 +95,7 @@ class BeamSearch:
                 f"({len(prompt_ids)} in the prompt, {max(self.max_tokens, 1)} for the "
                 "beams).")
         self.prompt_ids = list(prompt_ids)
+        self.lora_request = lora_request
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.beams = [BeamSearchSequence(list(prompt_ids))]
@@ -106,7 +109,8 @@ class BeamSearch:
     def step_params(self) -> SamplingParams:
         """One greedy token, with the top ``2 * beam_width`` logprobs of its position."""
         return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                              logprobs=2 * self.params.beam_width, detokenize=False)
+                              logprobs=2 * self.params.beam_width, detokenize=False,
+                              lora_request=self.lora_request)
 
     def advance(self, outputs: list[RequestOutput]) -> None:
         """Each live beam's one-token output, in the order of ``beams``."""

@@ -110,6 +110,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="--model-impl jax's devices (default: --device's, cpu or cuda); tpu "
                         "on a TPU VM with jax[tpu] (the engine's own tensors stay on the "
                         "CPU; give --num-gpu-blocks)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) on top of the model: a request "
+                        "names one (--lora-modules, the API's model field, "
+                        "LLM.generate(lora_request=...))")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="the most LoRA adapters one step runs (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest LoRA rank an adapter may have (default 16)")
     g.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="what the model runs as: generate = text (auto); pooling = "
                         "embeddings (/v1/embeddings, LLM.embed), one vector per prompt")
@@ -192,6 +200,9 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         speculative_config=ns.speculative_config,
         model_impl=ns.model_impl,
         jax_platform=ns.jax_platform,
+        enable_lora=ns.enable_lora,
+        max_loras=ns.max_loras,
+        max_lora_rank=ns.max_lora_rank,
         runner=ns.runner,
         convert=ns.convert,
         pooler_config=ns.pooler_config,

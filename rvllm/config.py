@@ -239,6 +239,8 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1  # decode steps a batch of greedy decodes may run ahead
     # fcfs: first come, first served; priority: by each request's priority, then arrival.
     policy: str = "fcfs"
+    # The most LoRA adapters one step may run (--max-loras); 0: no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -359,6 +361,11 @@ class EngineArgs:
     # The JAX backend's devices: cpu, gpu or tpu; None follows --device (cpu or cuda). On
     # a TPU VM the engine's own tensors (the sampler's) stay on the CPU.
     jax_platform: str | None = None
+    # LoRA adapters (vLLM's --enable-lora): requests may name one (rvllm.lora); at most
+    # max_loras of them in one step, each of rank at most max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # What the model runs as (vLLM's --runner, --convert): generate (text), or pooling
     # (embeddings: --runner pooling or --convert embed); pooling_params.resolve_runner.
     runner: str = "auto"

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from rvllm.lora.request import LoRARequest
+
 _SAMPLING_EPS = 1e-5
 
 # The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
@@ -123,6 +125,9 @@ class SamplingParams:
     # Under --scheduling-policy priority: lower runs first (vLLM's request priority, which
     # LLM.generate(priority=...) and the API's priority field set here).
     priority: int = 0
+    # The LoRA adapter the request runs with (vLLM's lora_request, which
+    # LLM.generate(lora_request=...) and the API's model field set here); None: the base.
+    lora_request: LoRARequest | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: EOS ids of the model, honoured unless ignore_eos.

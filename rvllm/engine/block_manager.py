@@ -61,7 +61,7 @@ class BlockManager:
         hit: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
-            h = self._hash(parent, seq.token_ids, i)
+            h = self._hash(parent, seq.token_ids, i, seq.lora_id)
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -135,15 +135,20 @@ class BlockManager:
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = self._hash(parent, seq.token_ids, i)
+            h = self._hash(parent, seq.token_ids, i, seq.lora_id)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash = h
                 self.cached.setdefault(h, block.block_id)
 
-    def _hash(self, parent: int | None, token_ids: list[int], i: int) -> int:
+    def _hash(self, parent: int | None, token_ids: list[int], i: int, lora_id: int = 0
+              ) -> int:
+        """Block ``i``'s hash: its tokens and every block's before it, and the sequence's
+        LoRA adapter (another adapter's keys and values differ)."""
         bs = self.block_size
+        if parent is None and lora_id:
+            parent = hash(("lora", lora_id))
         return hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
 
     # ------------------------------------------------------------------ swapping

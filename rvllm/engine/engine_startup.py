@@ -230,6 +230,26 @@ def check_speculative(args: EngineArgs) -> None:
                          "Use \"ngram\" (prompt lookup), or one rank.")
 
 
+def check_lora(args: EngineArgs) -> None:
+    """What LoRA adapters cannot run with, refused at start-up."""
+    if not args.enable_lora:
+        return
+    for name in ("max_loras", "max_lora_rank"):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    refused = []
+    if args.tensor_parallel_size > 1:
+        refused.append("tensor parallelism (one rank only)")
+    if args.model_impl == "jax":
+        refused.append("--model-impl jax")
+    if args.runner_type() == "pooling":
+        refused.append("a pooling model")
+    if refused:
+        raise ValueError(f"LoRA adapters (enable_lora) do not run with {', '.join(refused)} "
+                         "yet.")
+
+
 def check_pooling(args: EngineArgs) -> None:
     """What a pooling model (``--runner pooling``) cannot run with, refused at start-up."""
     if args.runner_type() != "pooling":
@@ -350,7 +370,8 @@ def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
             "Raise it or enable chunked prefill."
         )
     return SchedulerConfig(args.max_num_seqs, budget, args.enable_chunked_prefill,
-                           args.num_scheduler_steps, args.scheduling_policy)
+                           args.num_scheduler_steps, args.scheduling_policy,
+                           args.max_loras if args.enable_lora else 0)
 
 
 def check_jax_backend(args: EngineArgs, device: torch.device, kv_dtype: torch.dtype,

@@ -12,6 +12,7 @@ from rvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from rvllm.config import EngineArgs
 from rvllm.engine.llm_engine import LLMEngine
 from rvllm.inputs import PromptType
+from rvllm.lora.request import LoRARequest
 from rvllm.outputs import (
     EmbeddingRequestOutput,
     RequestOutput,
@@ -56,10 +57,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A string, a token-id list or a dict is
         one prompt; a list of them is many. ``priority``: one per prompt, lower first
-        (under ``scheduling_policy="priority"``)."""
+        (under ``scheduling_policy="priority"``). ``lora_request``: the LoRA adapter of
+        every prompt, or one per prompt (under ``enable_lora=True``)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -73,6 +76,12 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts.")
             params_list = [replace(p, priority=rank) for p, rank in zip(params_list, priority)]
+        if lora_request is not None:
+            loras = ([lora_request] * len(prompts) if isinstance(lora_request, LoRARequest)
+                     else list(lora_request))
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts.")
+            params_list = [replace(p, lora_request=lora) for p, lora in zip(params_list, loras)]
         return self._run(self._add(prompts, params_list), use_tqdm)
 
     def embed(
@@ -120,16 +129,17 @@ class LLM:
         return results
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
-                    params: BeamSearchParams, use_tqdm: bool = False
-                    ) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam search over each prompt (``rvllm.beam_search``): ``params.beam_width``
-        sequences per prompt, best first, their ``tokens`` starting with the prompt's."""
+        sequences per prompt, best first, their ``tokens`` starting with the prompt's;
+        with ``lora_request``'s adapter."""
         engine = self.engine
         searches = []
         for prompt in _prompt_list(prompts):
             _, ids = engine.tokenize_prompt(prompt, engine.max_model_len)
             searches.append(BeamSearch(ids, params, engine.eos_token_ids,
-                                       engine.max_model_len))
+                                       engine.max_model_len, lora_request))
         bar = tqdm(total=max(s.max_tokens for s in searches), desc="Beam search",
                    disable=not use_tqdm)
         while live := [s for s in searches if not s.done]:

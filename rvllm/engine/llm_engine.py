@@ -32,6 +32,7 @@ from rvllm.engine.engine_startup import (
     NoTorchModel,
     check_async_scheduling,
     check_jax_backend,
+    check_lora,
     check_packed_activations,
     check_pooling,
     check_scheduler_steps,
@@ -114,6 +115,7 @@ class LLMEngine:
         check_scheduler_steps(args, self.kernel_backend)
         check_speculative(args)
         check_pooling(args)
+        check_lora(args)
         check_async_scheduling(args)
         check_packed_activations(args, self.quantization, packed)
         if args.model_impl == "jax":  # before the weights load
@@ -234,6 +236,13 @@ class LLMEngine:
             so.backend, so.disable_any_whitespace, so.disable_additional_properties)
         # Requests whose grammar is still compiling: the scheduler sees them once it is.
         self._grammar_wait: list[Request] = []
+        # LoRA adapters (--enable-lora), each loaded on its first request.
+        self.lora_manager = None
+        if args.enable_lora:
+            from rvllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, args.max_lora_rank, self.device,
+                                            dtype)
         self.speculative_config = args.speculative_config
         self.speculator = (None if self.speculative_config is None
                            else Speculator(self.speculative_config, drafter))
@@ -410,6 +419,11 @@ class LLMEngine:
             return self._add_pooling_request(request_id, text, prompt_ids, params,
                                              arrival_time)
         max_tokens = self._max_tokens(len(prompt_ids), params)
+        if params.lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError(f"lora_request {params.lora_request.lora_name!r}: LoRA "
+                                 "adapters need the engine started with --enable-lora.")
+            self.lora_manager.ensure(params.lora_request)
         if params.priority != 0 and self.scheduler_config.policy != "priority":
             raise ValueError(f"priority {params.priority} needs the engine started with "
                              "--scheduling-policy priority.")

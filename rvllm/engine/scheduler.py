@@ -170,6 +170,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_id and not self._lora_fits(seq.lora_id):
+                break
             cached = bm.find_cached_prefix(seq)
             num_cached = len(cached) * bm.block_size
             n = seq.num_tokens - num_cached
@@ -186,6 +188,12 @@ class Scheduler:
             self._queue(self.running, seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _lora_fits(self, lora_id: int) -> bool:
+        """Whether a sequence of adapter ``lora_id`` may join the running ones: its
+        adapter runs already, or fewer than ``max_loras`` do."""
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return lora_id in active or len(active) < self.config.max_loras
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the schedule for good and release its blocks."""

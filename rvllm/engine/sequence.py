@@ -117,6 +117,12 @@ class Sequence:
         )
 
     @property
+    def lora_id(self) -> int:
+        """Its LoRA adapter's id; 0: the base model."""
+        lora = self.params.lora_request
+        return 0 if lora is None else lora.lora_int_id
+
+    @property
     def needs_every_prompt_row(self) -> bool:
         """Computes every prompt position itself (prompt logprobs, mean or first-token
         pooling): no prefix-cache hit may skip any."""

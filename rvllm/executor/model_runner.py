@@ -31,6 +31,7 @@ from rvllm.layers.sampler import (
     top_logprobs,
     verify_drafts,
 )
+from rvllm.lora.layers import lora_rows
 from rvllm.spec_decode.rejection import verify_greedy
 
 if TYPE_CHECKING:
@@ -236,9 +237,12 @@ class ModelRunner:
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         plan = _plan_logits(ordered)
+        # LoRA adapters are added in the linear layers' forward, which the compiled CPU
+        # calls and the CUDA graphs do not run: a step with one runs through the layers.
+        lora = any(s.seq.lora_id for s in ordered)
         # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
-                           and not plan.prompt and not plan.pool
+                           and not plan.prompt and not plan.pool and not lora
                            and plan.rows == list(range(len(decodes))))
         # Only overlapped steps ask (``feed``/``defer``): plain steps skip the row checks.
         on_device = ((feed is not None or defer) and decode_only
@@ -254,7 +258,8 @@ class ModelRunner:
             if outputs is not None:
                 return outputs
         if (prefills and self.decode_graphs is None and self.tp_group is None and use_numba()
-                and not plan.prompt and not plan.pool and all(_verifies(s) for s in prefills)):
+                and not plan.prompt and not plan.pool and not lora
+                and all(_verifies(s) for s in prefills)):
             outputs = self._compiled_verify_step(ordered, plan)
             if outputs is not None:
                 return outputs
@@ -334,7 +339,7 @@ class ModelRunner:
 
             send_step(StepInputs(input_ids, positions, metadata, logit_rows,
                                  sched.blocks_to_swap_out, sched.blocks_to_swap_in))
-        with set_forward_context(metadata):
+        with set_forward_context(metadata), lora_rows(_lora_rows(ordered, self.device)):
             hidden = self.model(input_ids, positions)
             # One LM-head call for every row that needs logits (all ranks join it).
             logits = self.model.compute_logits(hidden[logit_rows]).float() if plan.rows else None
@@ -620,6 +625,23 @@ def _plan_logits(ordered: list[ScheduledSeq]) -> _LogitsPlan:
     plan.sample_offset = len(plan.rows)
     plan.rows.extend(sample_rows)
     return plan
+
+
+def _lora_rows(ordered: list[ScheduledSeq], device: torch.device
+               ) -> dict[int, torch.Tensor | None] | None:
+    """The step's token rows (decodes' first, then each prefill's chunk, as ``_prepare``
+    lays them out) by LoRA adapter: None for an adapter that has every row, and None
+    where no sequence has one."""
+    rows: dict[int, list[int]] = {}
+    start = 0
+    for s in ordered:
+        if s.seq.lora_id:
+            rows.setdefault(s.seq.lora_id, []).extend(range(start, start + s.num_new_tokens))
+        start += s.num_new_tokens
+    if not rows:
+        return None
+    return {lora_id: None if len(r) == start else
+            torch.tensor(r, dtype=torch.long, device=device) for lora_id, r in rows.items()}
 
 
 def _pool_rows(seq: Sequence, start: int, n: int) -> tuple[int, int, int, bool]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from rvllm.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from rvllm.layers.cpu_linear import PackableLinear, apply_linear
+from rvllm.lora.layers import LoRASlice, apply_lora
 
 
 def _divide(a: int, b: int) -> int:
@@ -23,6 +24,9 @@ def _divide(a: int, b: int) -> int:
 
 class ColumnParallelLinear(nn.Module, PackableLinear):
     """y = x W^T + b with W's rows (output features) split across ranks."""
+
+    # LoRA adapters' products by adapter id (``rvllm.lora``), once one is loaded.
+    lora_weights: dict[int, list[LoRASlice]] | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False) -> None:
@@ -55,6 +59,8 @@ class ColumnParallelLinear(nn.Module, PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = apply_linear(self, x, self.bias)
+        if self.lora_weights is not None:
+            y = apply_lora(self.lora_weights, x, y)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -124,10 +130,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module, PackableLinear):
     """y = x W^T + b with W's columns (input features) split across ranks, summed after."""
 
+    lora_weights: dict[int, list[LoRASlice]] | None = None  # as ColumnParallelLinear's
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size_per_partition = _divide(input_size, self.tp_size)
+        self.output_size = output_size
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_partition), requires_grad=False
         )
@@ -154,5 +163,7 @@ class RowParallelLinear(nn.Module, PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(apply_linear(self, x))
+        if self.lora_weights is not None:  # one rank only (LoRA refuses tensor parallelism)
+            y = apply_lora(self.lora_weights, x, y)
         # The bias is added once, after the sum, so it is not counted tp_size times.
         return y + self.bias if self.bias is not None else y

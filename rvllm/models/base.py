@@ -50,7 +50,7 @@ def layer_window(cfg: dict[str, Any], layer_type: str) -> int | None:
     return int(window) if window and layer_type == "sliding_attention" else None
 
 
-def _target(name: str, stacked: StackedParams) -> tuple[str, int | str | None]:
+def stacked_target(name: str, stacked: StackedParams) -> tuple[str, int | str | None]:
     """The parameter a checkpoint tensor goes into, and its shard of a fused one."""
     for fused, original, shard_id in stacked:
         if original in name:
@@ -81,7 +81,7 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         if _not_loaded(name, tied):
             continue
-        target, shard = _target(name, stacked)
+        target, shard = stacked_target(name, stacked)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name} has no place in the model")
@@ -137,7 +137,7 @@ def packed_destinations(model: nn.Module) -> Callable[[str], bool] | None:
     def keep(name: str) -> bool:
         if _not_loaded(name, model.tied) or not name.endswith(".weight"):
             return False
-        target, _ = _target(name, model.stacked_params)
+        target, _ = stacked_target(name, model.stacked_params)
         param = params.get(target)
         if param is None or param.dtype != torch.float32 or param.device.type != "cpu":
             return False
@@ -272,7 +272,7 @@ def checkpoint_destinations(model: nn.Module
     def destination(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         if _not_loaded(name, model.tied):
             return None
-        target, shard = _target(name, model.stacked_params)
+        target, shard = stacked_target(name, model.stacked_params)
         param = params.get(target)
         if param is None or param.dtype != torch.float32 or param.device.type != "cpu":
             return None  # the decoders write host memory

@@ -16,6 +16,7 @@ from rvllm.layers.backend import fused_decode_gemv_rows, use_numba
 from rvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rvllm.layers.norm import RMSNorm
 from rvllm.layers.rotary import RotaryEmbedding, rope_parameters
+from rvllm.lora.layers import lora_active
 from rvllm.models.base import CausalLM, DecoderModel, PreNormDecoderLayer, layer_types
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class LlamaDecoderModel(DecoderModel):
     the shape they compute."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if lora_active():  # adapters are added in the linear layers' forward
+            return super().forward(input_ids, positions)
         if use_numba():
             hidden = self._compiled_step(input_ids, positions)
             if hidden is not None:

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ import rvllm
 from rvllm.engine.async_engine import AsyncEngine
 from rvllm.engine.data_parallel import DataParallelEngine
 from rvllm.engine.process_engine import ProcessEngine
+from rvllm.lora.request import LoRARequest, parse_lora_modules
 from rvllm.server.args import (
     add_serve_args,
     cors_options,
@@ -118,6 +120,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               default_sampling: dict[str, Any] | None = None,
               prompt_tokens_details: bool = False,
               return_tokens_as_token_ids: bool = False,
+              lora_modules: list[LoRARequest] | None = None,
               log_stats_interval_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
@@ -130,8 +133,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     into ``reasoning`` and ``content``. ``default_sampling`` (``EngineArgs.sampling_defaults``)
     fills the sampling fields a request leaves unset. ``prompt_tokens_details`` puts the
     prefix cache's share of the prompt in ``usage``. ``return_tokens_as_token_ids`` names
-    logprobs' tokens by id unless a request says otherwise. ``log_stats_interval_s``: log the
-    stats line that often (``stats_log``); None: never."""
+    logprobs' tokens by id unless a request says otherwise. ``lora_modules``: LoRA adapters
+    a request's ``model`` may name (the engine started with LoRA enabled).
+    ``log_stats_interval_s``: log the stats line that often (``stats_log``); None: never."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -163,6 +167,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     embeddings = EmbeddingServing(serving_engine, names)
     completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
     completions.tokens_as_ids = chat.tokens_as_ids = return_tokens_as_token_ids
+    loras = {m.lora_name: m for m in lora_modules or []}
+    completions.lora_modules = chat.lora_modules = loras
     embeddings.prompt_tokens_details = prompt_tokens_details
     started = int(time.time())
     fastapi_openapi = app.openapi
@@ -219,7 +225,11 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
             "id": name, "object": "model", "created": started,
             "owned_by": "rvllm", "root": engine.model_path, "parent": None,
             "max_model_len": engine.max_model_len,
-        } for name in names]}
+        } for name in names] + [{
+            "id": lora.lora_name, "object": "model", "created": started,
+            "owned_by": "rvllm", "root": lora.lora_path, "parent": served_model_name,
+            "max_model_len": engine.max_model_len,
+        } for lora in loras.values()]}
 
     @app.get("/health", responses=openapi_responses(
         None, (503,), descriptions={503: "The engine loop is not running"}))
@@ -335,8 +345,22 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
             "reasoning_parser": ns.reasoning_parser,
             "prompt_tokens_details": ns.enable_prompt_tokens_details,
             "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
+            "lora_modules": lora_modules(ns),
             "log_stats_interval_s": log_stats_interval(ns.disable_log_stats),
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
+
+
+def lora_modules(ns: argparse.Namespace) -> list[LoRARequest]:
+    """``--lora-modules``, each folder checked for its adapter_config.json (the engine
+    reads the adapter on its first request); ValueError names what is wrong."""
+    modules = parse_lora_modules(ns.lora_modules)
+    if modules and not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    for m in modules:
+        if not (Path(m.lora_path).expanduser() / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-modules {m.lora_name}: {m.lora_path} holds no "
+                             "adapter_config.json (a PEFT LoRA folder).")
+    return modules
 
 
 def served_name(ns: argparse.Namespace, model_path: str) -> list[str]:
@@ -391,7 +415,11 @@ def main(argv: list[str] | None = None) -> None:
                                      description="OpenAI-compatible server for an rvllm model.")
     add_serve_args(parser)
     ns = parser.parse_args(argv)
-    run_server(ns, start_engine_process(ns))
+    try:
+        run_server(ns, start_engine_process(ns))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # as `rvllm serve` tells it
+        print(f"rvllm serve: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

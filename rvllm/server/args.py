@@ -54,6 +54,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the "
                         "prefix cache had")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve, with --enable-lora: a "
+                        "request whose model is NAME runs with PATH's adapter (also vLLM's "
+                        'JSON form, \'{"name": ..., "path": ...}\')')
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name each token as "token_id:<id>" rather than its text '
                         "(for tokens that are not whole characters); a request's "

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from rvllm.beam_search import BeamSearch, BeamSearchParams, as_request_output
 from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, PromptType, RequestStream
+from rvllm.lora.request import LoRARequest
 from rvllm.outputs import RequestOutput
 from rvllm.sampling_params import SamplingParams
 from rvllm.server.errors import APIError, bad_request
@@ -64,6 +65,9 @@ class ServingBase:
     tokens_as_ids = False
     RETRY_AFTER_S = 1
 
+    # --lora-modules by name: a request whose model names one runs with that adapter.
+    lora_modules: dict[str, LoRARequest] = {}  # noqa: RUF012 - replaced, never changed
+
     def __init__(self, engine: AsyncEngine, model_names: str | Sequence[str],
                  default_sampling: dict[str, Any] | None = None) -> None:
         self.engine = engine
@@ -90,10 +94,19 @@ class ServingBase:
             return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
         return decoded
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """404 unless ``model`` is unset or a name served; the LoRA adapter it names, if
+        it names one."""
+        if model is not None and model in self.lora_modules:
+            return self.lora_modules[model]
         if model is not None and model not in self.model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "model",
                            "model_not_found")
+        return None
+
+    def response_model(self, model: str | None) -> str:
+        """The model a response names: the LoRA adapter asked for, else the first name."""
+        return model if model is not None and model in self.lora_modules else self.model_name
 
     def new_id(self, prefix: str | None = None) -> str:
         return f"{prefix or self.id_prefix}-{uuid.uuid4().hex}"
@@ -138,7 +151,8 @@ class ServingBase:
         raise err
 
     async def beam_search(self, request_id: str, prompts: Sequence[str | list[int]],
-                          params: BeamSearchParams, request: Request) -> list[RequestOutput]:
+                          params: BeamSearchParams, request: Request,
+                          lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Beam search over each prompt (``rvllm.beam_search``), every live beam of every
         prompt one request of each step; a finished output per prompt, its beams the
         completions, best first. A client that hangs up aborts the step's requests."""
@@ -148,7 +162,7 @@ class ServingBase:
             for prompt in prompts:
                 ids = prompt if isinstance(prompt, list) else self._encode(prompt)
                 searches.append(BeamSearch(ids, params, engine.eos_token_ids,
-                                           engine.max_model_len))
+                                           engine.max_model_len, lora_request))
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
         arrival = time.time()

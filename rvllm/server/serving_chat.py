@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
+from rvllm.lora.request import LoRARequest
 from rvllm.outputs import Logprob, RequestOutput
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from rvllm.server.errors import APIError, bad_request, error_event
@@ -57,7 +58,7 @@ class ChatServing(ServingBase):
 
     async def create(self, body: bytes, request: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         _check_supported(req)
         tools = _ToolUse(req, self.tool_parser if self.enable_auto_tool_choice else None)
         prompt_ids = render_chat_prompt(self.engine.tokenizer, req.messages,
@@ -71,7 +72,7 @@ class ChatServing(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if req.use_beam_search:
-            return await self._beam_search(req, tools, prompt_ids, max_tokens, request)
+            return await self._beam_search(req, tools, prompt_ids, max_tokens, request, lora)
         try:
             params = req.sampling_params(max_tokens, logprobs, req.prompt_logprobs,
                                          self.default_sampling)
@@ -81,6 +82,7 @@ class ChatServing(ServingBase):
                 err.param = "max_completion_tokens"  # the name the client used
             raise err from e
         tools.constrain(params)
+        params.lora_request = lora
         thinking = self._thinking(prompt_ids, params)
         request_id = self.new_id()
         try:
@@ -101,14 +103,14 @@ class ChatServing(ServingBase):
         return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
     async def _beam_search(self, req: ChatCompletionRequest, tools: _ToolUse,
-                           prompt_ids: list[int], max_tokens: int | None, request: Request
-                           ) -> Response:
+                           prompt_ids: list[int], max_tokens: int | None, request: Request,
+                           lora: LoRARequest | None) -> Response:
         try:
             params = req.beam_search_params(max_tokens)
         except ValueError as e:
             raise bad_request(e, BEAM_SEARCH_FIELDS) from e
         request_id = self.new_id()
-        (final,) = await self.beam_search(request_id, [prompt_ids], params, request)
+        (final,) = await self.beam_search(request_id, [prompt_ids], params, request, lora)
         thinking = self._thinking(prompt_ids, SamplingParams())
         return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
@@ -151,7 +153,7 @@ class ChatServing(ServingBase):
             })
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         response = {"id": request_id, "object": "chat.completion", "created": self.created(),
-                    "model": self.model_name, "choices": choices,
+                    "model": self.response_model(req.model), "choices": choices,
                     "usage": self.usage(len(final.prompt_token_ids), completion_tokens,
                                         final.num_cached_tokens)}
         if req.prompt_logprobs is not None:
@@ -163,7 +165,7 @@ class ChatServing(ServingBase):
                       ) -> AsyncIterator[str]:
         created = self.created()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name}
+                "model": self.response_model(req.model)}
         extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
+from rvllm.lora.request import LoRARequest
 from rvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from rvllm.server.errors import APIError, bad_request, error_event
 from rvllm.server.protocol import CompletionRequest
@@ -30,7 +31,7 @@ class CompletionServing(ServingBase):
 
     async def create(self, body: bytes, request: Request) -> Response:
         req = CompletionRequest.model_validate_json(body)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix is not supported: rvllm does not do fill-in-the-middle.",
                            param="suffix")
@@ -40,7 +41,7 @@ class CompletionServing(ServingBase):
         if not prompts:
             raise APIError("prompt must not be empty.", param="prompt")
         if req.use_beam_search:
-            return await self._beam_search(req, prompts, request)
+            return await self._beam_search(req, prompts, request, lora)
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             # Echoed prompt tokens carry logprobs too: what lm-evaluation-harness scores.
@@ -50,6 +51,7 @@ class CompletionServing(ServingBase):
                                          self.default_sampling)
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
+        params.lora_request = lora
         request_id = self.new_id()
         streams = await self.add_requests(request_id, prompts, params, final_only=not req.stream,
                                           constraint_field=req.constraint_field())
@@ -62,13 +64,13 @@ class CompletionServing(ServingBase):
         return JSONResponse(self._response(req, request_id, finals))
 
     async def _beam_search(self, req: CompletionRequest, prompts: list[str | list[int]],
-                           request: Request) -> Response:
+                           request: Request, lora: LoRARequest | None) -> Response:
         try:
             params = req.beam_search_params(req.max_tokens)
         except ValueError as e:
             raise bad_request(e, BEAM_SEARCH_FIELDS) from e
         request_id = self.new_id()
-        finals = await self.beam_search(request_id, prompts, params, request)
+        finals = await self.beam_search(request_id, prompts, params, request, lora)
         return JSONResponse(self._response(req, request_id, finals))
 
     # ---------------------------------------------------------------- whole
@@ -94,7 +96,7 @@ class CompletionServing(ServingBase):
         prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
         cached_tokens = sum(f.num_cached_tokens for f in finals)
         return {"id": request_id, "object": "text_completion", "created": self.created(),
-                "model": self.model_name, "choices": choices,
+                "model": self.response_model(req.model), "choices": choices,
                 "usage": self.usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def _prompt_text(self, final: RequestOutput) -> str:
@@ -188,7 +190,7 @@ class CompletionServing(ServingBase):
                     sent_tokens[idx] = len(c.token_ids)
                     chunk: dict[str, Any] = {
                         "id": request_id, "object": "text_completion", "created": created,
-                        "model": self.model_name,
+                        "model": self.response_model(req.model),
                         "choices": [{"index": idx, "text": echo + text, "logprobs": logprobs,
                                      "finish_reason": c.finish_reason,
                                      "stop_reason": c.stop_reason}],
@@ -202,7 +204,7 @@ class CompletionServing(ServingBase):
                     yield "".join(chunks)
             if req.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [],
+                           "model": self.response_model(req.model), "choices": [],
                            "usage": self.usage(sum(prompt_tokens), sum(completion_tokens),
                                                sum(cached_tokens))})
         except EngineDeadError as e:
