@@ -257,6 +257,41 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, client):
     assert by_id.choices[0].logprobs.content[0].bytes == list(named[0].encode())
 
 
+def test_responses_api_answers_as_chat_does_whole_and_streamed(client):
+    """/v1/responses: instructions and input render as a chat; the answer is the chat
+    completion's, whole and in the Responses API's stream events."""
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=6,
+                                          temperature=0)
+    whole = client.responses.create(model=MODEL_NAME, instructions=CHAT[0]["content"],
+                                    input=CHAT[1]["content"], max_output_tokens=6,
+                                    temperature=0)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    cut = chat.choices[0].finish_reason == "length"
+    assert whole.status == ("incomplete" if cut else "completed")
+    if cut:
+        assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[0].role == "assistant" and whole.model == MODEL_NAME
+    events = list(client.responses.create(model=MODEL_NAME, input=CHAT, max_output_tokens=6,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done",
+                          "response.incomplete" if cut else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="resp_x")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input=[])
+    assert e.value.body["param"] == "input"
+
+
 def test_echo_logprobs_max_tokens_0_scores_the_prompt_like_transformers(server, client,
                                                                         llama_dir):
     from transformers import AutoModelForCausalLM

@@ -55,6 +55,8 @@ from rvllm.server.protocol import (
     ModelList,
     RerankRequest,
     RerankResponse,
+    ResponsesRequest,
+    ResponsesResponse,
     ScoreRequest,
     ScoreResponse,
     TokenizeRequest,
@@ -67,6 +69,7 @@ from rvllm.server.serving import ServingBase
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing
 from rvllm.server.serving_embedding import EmbeddingServing
+from rvllm.server.serving_responses import ResponsesServing
 from rvllm.server.stats_log import StatsLogger, log_stats_interval
 from rvllm.startup import resume_collector
 
@@ -165,10 +168,11 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     chat = ChatServing(serving_engine, names, tool_call_parser,
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
     embeddings = EmbeddingServing(serving_engine, names)
+    responses = ResponsesServing(serving_engine, names, default_sampling)
     completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
     completions.tokens_as_ids = chat.tokens_as_ids = return_tokens_as_token_ids
     loras = {m.lora_name: m for m in lora_modules or []}
-    completions.lora_modules = chat.lora_modules = loras
+    completions.lora_modules = chat.lora_modules = responses.lora_modules = loras
     embeddings.prompt_tokens_details = prompt_tokens_details
     started = int(time.time())
     fastapi_openapi = app.openapi
@@ -196,6 +200,17 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                                           stream=ChatCompletionStreamResponse))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await request.body(), request)
+
+    @app.post("/v1/responses", response_model=None,
+              openapi_extra=openapi_request_body(ResponsesRequest),
+              responses=openapi_responses(ResponsesResponse, generation_errors,
+                                          ok_description="One assistant message. With "
+                                          "stream: true, the Responses API's Server-Sent "
+                                          "Events instead (response.created, "
+                                          "response.output_text.delta, ..., "
+                                          "response.completed)"))
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await request.body(), request)
 
     @app.post("/v1/embeddings", response_model=None,
               openapi_extra=openapi_request_body(EmbeddingRequest),
