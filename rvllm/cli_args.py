@@ -116,6 +116,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "LLM.generate(lora_request=...))")
     g.add_argument("--max-loras", type=int, default=1,
                    help="the most LoRA adapters one step runs (default 1)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept loaded, the least recently used dropped first "
+                        "(default: --max-loras)")
     g.add_argument("--max-lora-rank", type=int, default=16,
                    help="the largest LoRA rank an adapter may have (default 16)")
     g.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -203,6 +206,7 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
         enable_lora=ns.enable_lora,
         max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
+        max_cpu_loras=ns.max_cpu_loras,
         runner=ns.runner,
         convert=ns.convert,
         pooler_config=ns.pooler_config,

@@ -366,6 +366,8 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Adapters kept loaded, least recently used dropped first (None: max_loras).
+    max_cpu_loras: int | None = None
     # What the model runs as (vLLM's --runner, --convert): generate (text), or pooling
     # (embeddings: --runner pooling or --convert embed); pooling_params.resolve_runner.
     runner: str = "auto"

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -170,6 +171,25 @@ def test_bad_adapters_are_refused_by_name(llama_dir, adapters, tmp_path):
         LLM(str(llama_dir), enable_lora=True, tensor_parallel_size=2)
 
 
+def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_is_dropped(llama_dir,
+                                                                            adapters):
+    llm = LLM(str(llama_dir), enable_lora=True, max_cpu_loras=1)
+    (all_lora, want_all), (qv_lora, want_qv) = adapters["all"], adapters["qv"]
+    manager = llm.engine.lora_manager
+    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert llm.generate([PROMPTS[0]], GREEDY, lora_request=all_lora)[0].outputs[0].token_ids \
+        == want_all[0]
+    assert list(manager.loaded) == [1]
+    assert llm.generate([PROMPTS[0]], GREEDY, lora_request=qv_lora)[0].outputs[0].token_ids \
+        == want_qv[0]
+    assert list(manager.loaded) == [2] and set(qkv.lora_weights) == {2}
+    assert llm.generate([PROMPTS[1]], GREEDY, lora_request=all_lora)[0].outputs[0].token_ids \
+        == want_all[1]
+    assert list(manager.loaded) == [1]
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(str(llama_dir), enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
 def test_lora_modules_parse_as_vllm_gives_them():
     modules = parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}'])
     assert modules == [LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y")]
@@ -178,8 +198,10 @@ def test_lora_modules_parse_as_vllm_gives_them():
             parse_lora_modules(bad)
 
 
-def test_the_server_serves_lora_modules_by_model_name(llama_dir, adapters):
+def test_the_server_serves_lora_modules_by_model_name(llama_dir, adapters, monkeypatch):
     all_lora, want_all = adapters["all"]
+    qv_lora, want_qv = adapters["qv"]
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     srv = ServerProcess(llama_dir, "--served-model-name", "base", "--enable-lora",
                         "--lora-modules", f"mine={all_lora.lora_path}")
     try:
@@ -199,6 +221,25 @@ def test_the_server_serves_lora_modules_by_model_name(llama_dir, adapters):
         assert chat.model == "mine"
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="yours", prompt="hi", max_tokens=1)
+        # Runtime updates (VLLM_ALLOW_RUNTIME_LORA_UPDATING): load, use, unload by name.
+        load = {"lora_name": "yours", "lora_path": qv_lora.lora_path}
+        r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json=load)
+        assert r.status_code == 200 and "added" in r.text
+        assert httpx.post(f"{srv.url}/v1/load_lora_adapter", json=load).status_code == 400
+        assert "yours" in {m.id for m in client.models.list().data}
+        r = client.completions.create(
+            model="yours", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens] \
+            == want_qv[0]
+        unload = {"lora_name": "yours"}
+        assert httpx.post(f"{srv.url}/v1/unload_lora_adapter", json=unload).status_code == 200
+        assert httpx.post(f"{srv.url}/v1/unload_lora_adapter", json=unload).status_code == 404
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="yours", prompt="hi", max_tokens=1)
+        bad = httpx.post(f"{srv.url}/v1/load_lora_adapter",
+                         json={"lora_name": "x", "lora_path": "/nowhere"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     finally:
         srv.stop()
     with pytest.raises(RuntimeError, match="server exited"):

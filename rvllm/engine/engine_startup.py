@@ -234,10 +234,15 @@ def check_lora(args: EngineArgs) -> None:
     """What LoRA adapters cannot run with, refused at start-up."""
     if not args.enable_lora:
         return
-    for name in ("max_loras", "max_lora_rank"):
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         value = getattr(args, name)
+        if name == "max_cpu_loras" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras "
+                         f"({args.max_loras}).")
     refused = []
     if args.tensor_parallel_size > 1:
         refused.append("tensor parallelism (one rank only)")

@@ -242,7 +242,7 @@ class LLMEngine:
             from rvllm.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, args.max_lora_rank, self.device,
-                                            dtype)
+                                            dtype, args.max_cpu_loras or args.max_loras)
         self.speculative_config = args.speculative_config
         self.speculator = (None if self.speculative_config is None
                            else Speculator(self.speculative_config, drafter))
@@ -423,7 +423,9 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise ValueError(f"lora_request {params.lora_request.lora_name!r}: LoRA "
                                  "adapters need the engine started with --enable-lora.")
-            self.lora_manager.ensure(params.lora_request)
+            self.lora_manager.ensure(params.lora_request, {
+                r.params.lora_request.lora_int_id for r in self.requests.values()
+                if r.params.lora_request is not None})
         if params.priority != 0 and self.scheduler_config.policy != "priority":
             raise ValueError(f"priority {params.priority} needs the engine started with "
                              "--scheduling-policy priority.")

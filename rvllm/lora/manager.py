@@ -31,32 +31,58 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])
 
 
 class LoRAManager:
-    """The adapters loaded into ``model``, by id; each is read on its first request."""
+    """The adapters loaded into ``model``, by id, least recently used first; each is read
+    on its first request. Past ``max_cpu_loras`` of them, loading one drops the least
+    recently used that no live request runs (vLLM's ``--max-cpu-loras``)."""
 
     def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_cpu_loras: int | None = None) -> None:
         self.model = model
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.dtype = dtype
+        self.max_cpu_loras = max_cpu_loras
         self.loaded: dict[int, LoRARequest] = {}
+        self._modules: dict[int, list[str]] = {}  # the layers each adapter is on
 
-    def ensure(self, request: LoRARequest) -> None:
-        """Load ``request``'s adapter unless it is loaded; ValueError names what is wrong
-        with it (and leaves nothing of it on the model)."""
-        known = self.loaded.get(request.lora_int_id)
+    def ensure(self, request: LoRARequest, in_use: set[int] | None = None) -> None:
+        """Load ``request``'s adapter unless it is loaded (then it becomes the most
+        recently used); ValueError names what is wrong with it (and leaves nothing of it
+        on the model). ``in_use``: the adapters live requests run, never dropped."""
+        lora_id = request.lora_int_id
+        known = self.loaded.get(lora_id)
         if known is not None:
             if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
-                raise ValueError(f"lora_int_id {request.lora_int_id} is already the adapter "
+                raise ValueError(f"lora_int_id {lora_id} is already the adapter "
                                  f"{known.lora_name!r} ({known.lora_path}).")
+            self.loaded[lora_id] = self.loaded.pop(lora_id)  # most recently used
             return
         slices = self._read(request)
+        self._make_room(in_use or set())
         for name, parts in slices.items():
             module = self.model.get_submodule(name)
             if module.lora_weights is None:
                 module.lora_weights = {}
-            module.lora_weights[request.lora_int_id] = parts
-        self.loaded[request.lora_int_id] = request
+            module.lora_weights[lora_id] = parts
+        self.loaded[lora_id] = request
+        self._modules[lora_id] = list(slices)
+
+    def remove(self, lora_id: int) -> None:
+        """Take an adapter off the model (its memory goes with it)."""
+        self.loaded.pop(lora_id, None)
+        for name in self._modules.pop(lora_id, []):
+            weights = self.model.get_submodule(name).lora_weights
+            weights.pop(lora_id, None)
+
+    def _make_room(self, in_use: set[int]) -> None:
+        """Below ``max_cpu_loras`` adapters, dropping the least recently used idle ones."""
+        if self.max_cpu_loras is None:
+            return
+        for lora_id in list(self.loaded):
+            if len(self.loaded) < self.max_cpu_loras:
+                return
+            if lora_id not in in_use:
+                self.remove(lora_id)
 
     def _read(self, request: LoRARequest) -> dict[str, list[LoRASlice]]:
         folder = Path(request.lora_path).expanduser()

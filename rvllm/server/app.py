@@ -52,6 +52,7 @@ from rvllm.server.protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     RerankRequest,
     RerankResponse,
@@ -61,6 +62,7 @@ from rvllm.server.protocol import (
     ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     complete_openapi,
     openapi_request_body,
     openapi_responses,
@@ -124,6 +126,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
               prompt_tokens_details: bool = False,
               return_tokens_as_token_ids: bool = False,
               lora_modules: list[LoRARequest] | None = None,
+              lora_runtime_updates: bool = False,
               log_stats_interval_s: float | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``. The engine is shut
     down with the app. ``tool_call_parser`` reads tool calls out of the text of requests
@@ -137,7 +140,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     fills the sampling fields a request leaves unset. ``prompt_tokens_details`` puts the
     prefix cache's share of the prompt in ``usage``. ``return_tokens_as_token_ids`` names
     logprobs' tokens by id unless a request says otherwise. ``lora_modules``: LoRA adapters
-    a request's ``model`` may name (the engine started with LoRA enabled).
+    a request's ``model`` may name (the engine started with LoRA enabled);
+    ``lora_runtime_updates`` adds the routes that load and unload them by name.
     ``log_stats_interval_s``: log the stats line that often (``stats_log``); None: never."""
 
     @asynccontextmanager
@@ -293,9 +297,46 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
                            param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    if lora_runtime_updates:
+        add_lora_routes(app, loras)
     if board is not None:
         board.add_routes(app)
     return app
+
+
+def add_lora_routes(app: FastAPI, loras: dict[str, LoRARequest]) -> None:
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: a name added to
+    or taken from the adapters requests may name (the engine reads an adapter on its
+    first request, and drops the least recently used idle one past --max-cpu-loras).
+    Every adapter gets a new id, so a name loaded again never meets its old weights."""
+    next_id = [max((m.lora_int_id for m in loras.values()), default=0) + 1]
+
+    @app.post("/v1/load_lora_adapter", response_model=None,
+              openapi_extra=openapi_request_body(LoadLoRAAdapterRequest),
+              responses=openapi_responses(None, (400, 401)))
+    async def load_lora_adapter(request: Request) -> Response:
+        req = LoadLoRAAdapterRequest.model_validate_json(await request.body())
+        if req.lora_name in loras:
+            raise APIError(f"The LoRA adapter {req.lora_name!r} has already been loaded.",
+                           param="lora_name")
+        if not (Path(req.lora_path).expanduser() / "adapter_config.json").is_file():
+            raise APIError(f"{req.lora_path} holds no adapter_config.json (a PEFT LoRA "
+                           "folder).", param="lora_path")
+        loras[req.lora_name] = LoRARequest(req.lora_name, next_id[0], req.lora_path)
+        next_id[0] += 1
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", response_model=None,
+              openapi_extra=openapi_request_body(UnloadLoRAAdapterRequest),
+              responses=openapi_responses(None, (400, 401, 404)))
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = UnloadLoRAAdapterRequest.model_validate_json(await request.body())
+        if loras.pop(req.lora_name, None) is None:
+            raise APIError(f"The LoRA adapter {req.lora_name!r} cannot be found.", 404,
+                           param="lora_name", code="model_not_found")
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
 
 def _route(handler: Callable[[bytes, Request], Awaitable[Response]]
@@ -361,6 +402,8 @@ def app_options(ns: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens_details": ns.enable_prompt_tokens_details,
             "return_tokens_as_token_ids": ns.return_tokens_as_token_ids,
             "lora_modules": lora_modules(ns),
+            "lora_runtime_updates": ns.enable_lora and os.environ.get(
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
             "log_stats_interval_s": log_stats_interval(ns.disable_log_stats),
             "default_sampling": engine_args_from_namespace(ns).sampling_defaults()}
 

@@ -827,6 +827,20 @@ class ResponsesRequest(_Strict):
         return StructuredOutputsParams(json=fmt.json_schema)
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's, with runtime LoRA updating allowed)."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None
+
+
 class ScoreRequest(_Strict):
     """POST /score and /v1/score (vLLM's): ``text_1`` (one text, or a list) scored
     against ``text_2`` (one text, or a list as long)."""
@@ -966,7 +980,8 @@ class DetokenizeResponse(BaseModel):
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
-    ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest)
+    ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     CompletionResponse, CompletionStreamResponse, ChatCompletionResponse,
     ChatCompletionStreamResponse, ResponsesResponse, EmbeddingResponse, ScoreResponse,
