@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from server_helpers import API_KEY, HEADERS, MODEL_NAME, ServerProcess, sse_events
 
-from rvllm.server import protocol
+from rvllm.server import openapi, protocol
 from rvllm.server.app import build_app
 
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
@@ -144,7 +144,7 @@ def test_route_documents_its_body_responses_and_errors(doc, path):
 
 def test_request_schemas_are_the_validating_models(doc):
     schemas = doc["components"]["schemas"]
-    for model in protocol.REQUEST_MODELS:
+    for model in openapi.REQUEST_MODELS:
         own = model.model_json_schema(ref_template=REF + "{model}")
         own.pop("$defs", None)
         assert schemas[model.__name__] == own

@@ -41,6 +41,7 @@ from rvllm.server.dashboard import Dashboard
 from rvllm.server.errors import APIError, error_body, install_error_handlers
 from rvllm.server.limits import BodyLimitMiddleware, default_max_body_bytes
 from rvllm.server.metrics import ServerMetrics
+from rvllm.server.openapi import complete_openapi, openapi_request_body, openapi_responses
 from rvllm.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -50,23 +51,21 @@ from rvllm.server.protocol import (
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
-    EmbeddingResponse,
     LoadLoRAAdapterRequest,
     ModelList,
-    RerankRequest,
-    RerankResponse,
-    ResponsesRequest,
-    ResponsesResponse,
-    ScoreRequest,
-    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
-    complete_openapi,
-    openapi_request_body,
-    openapi_responses,
 )
+from rvllm.server.protocol_pooling import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from rvllm.server.protocol_responses import ResponsesRequest, ResponsesResponse
 from rvllm.server.serving import ServingBase
 from rvllm.server.serving_chat import ChatServing, render_chat_prompt
 from rvllm.server.serving_completion import CompletionServing

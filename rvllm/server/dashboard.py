@@ -34,7 +34,7 @@ from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams
 from rvllm.server.errors import APIError
 from rvllm.server.metrics import ServerMetrics
-from rvllm.server.protocol import openapi_responses
+from rvllm.server.openapi import openapi_responses
 
 ASSETS = Path(__file__).parent / "dashboard_assets"
 ASSET_TYPES = {"dashboard.js": "text/javascript; charset=utf-8",

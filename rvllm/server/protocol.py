@@ -7,7 +7,9 @@ strings (``MAX_*`` below), checked while the body is parsed: past one, the
 request is a 400 naming the field.
 
 The response models at the end describe what the endpoints answer, for
-``/openapi.json`` (the handlers build their answers as dicts).
+``/openapi.json`` (the handlers build their answers as dicts). A pooling model's
+endpoints have theirs in ``protocol_pooling``, the Responses API in
+``protocol_responses``; ``openapi`` gathers them all into the document.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic.json_schema import JsonDict, models_json_schema
+from pydantic.json_schema import JsonDict
 
 from rvllm.beam_search import BeamSearchParams
-from rvllm.pooling_params import PoolingParams
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 TokenIds = list[StrictInt]
@@ -480,31 +481,18 @@ class DetokenizeRequest(_Strict):
     tokens: TokenIds
 
 
-class EmbeddingRequest(_Strict):
-    """POST /v1/embeddings (OpenAI's fields, and vLLM's ``truncate_prompt_tokens``,
-    ``add_special_tokens`` and ``normalize``)."""
+class LoadLoRAAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's, with runtime LoRA updating allowed)."""
 
-    model: StrictStr | None = None
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
-        json_schema_extra=_prompt_schema)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
-    user: StrictStr | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    add_special_tokens: StrictBool = True
-    normalize: StrictBool | None = None
+    lora_name: StrictStr
+    lora_path: StrictStr
 
-    @field_validator("input")
-    @classmethod
-    def _cap_inputs(cls, value: Any) -> Any:
-        return _cap_prompt_list("input", value)
 
-    def prompts(self) -> list[str | list[int]]:
-        return _prompt_list(self.input)
+class UnloadLoRAAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter."""
 
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
-                             dimensions=self.dimensions, normalize=self.normalize)
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -713,254 +701,6 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ResponseInputText(_Strict):
-    """A text part of a Responses input message."""
-
-    type: Literal["input_text", "output_text", "text"]
-    text: StrictStr
-    annotations: list[Any] | None = None  # on output_text parts sent back; not read
-
-
-class ResponseInputMessage(_Strict):
-    """A message of a Responses request's ``input`` list."""
-
-    type: Literal["message"] = "message"
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[ResponseInputText]
-    id: StrictStr | None = None  # on output messages sent back; not read
-    status: StrictStr | None = None
-
-
-class ResponseTextFormat(_Strict):
-    """``text.format``: free text, any JSON object, or a named JSON schema."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
-                              populate_by_name=True)
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    name: StrictStr | None = None
-    description: StrictStr | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
-
-
-class ResponseText(_Strict):
-    format: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
-
-
-class ResponsesRequest(_Strict):
-    """POST /v1/responses (OpenAI's Responses API): the text parts of it rvllm serves.
-    ``input`` is a text (one user message) or a list of messages; ``instructions`` a
-    system message before them."""
-
-    model: StrictStr | None = None
-    input: StrictStr | list[ResponseInputMessage] = Field(
-        json_schema_extra={"maxItems": MAX_MESSAGES})
-    instructions: StrictStr | None = None
-    max_output_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: StrictBool = False
-    text: ResponseText | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    previous_response_id: StrictStr | None = None
-    background: StrictBool | None = None
-    # Accepted and not acted on: rvllm keeps no responses, and reasons as the model does.
-    store: StrictBool | None = None
-    metadata: dict[str, Any] | None = None
-    user: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict[str, Any] | None = None
-    service_tier: StrictStr | None = None
-    # vLLM's extras
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: StrictInt | None = None
-    priority: StrictInt = 0
-
-    @field_validator("input")
-    @classmethod
-    def _cap_input(cls, value: Any) -> Any:
-        return _check_count("input", value, MAX_MESSAGES, "items") if isinstance(
-            value, list) else value
-
-    def messages(self) -> list[ChatMessage]:
-        """The conversation: ``instructions`` as a system message, then ``input``."""
-        out = []
-        if self.instructions is not None:
-            out.append(ChatMessage(role="system", content=self.instructions))
-        items = ([ResponseInputMessage(role="user", content=self.input)]
-                 if isinstance(self.input, str) else self.input)
-        for item in items:
-            text = (item.content if isinstance(item.content, str)
-                    else "".join(part.text for part in item.content))
-            out.append(ChatMessage(role=item.role, content=text))
-        return out
-
-    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """SamplingParams for this request; ValueError names the field at fault."""
-        defaults = defaults or {}
-        max_tokens = self.max_output_tokens
-        cap = defaults.get("max_tokens")
-        if cap is not None:
-            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
-        return SamplingParams(
-            temperature=_or(self.temperature, defaults.get("temperature", 1.0)),
-            top_p=_or(self.top_p, defaults.get("top_p", 1.0)),
-            top_k=_or(self.top_k, defaults.get("top_k", 0)),
-            min_p=_or(self.min_p, defaults.get("min_p", 0.0)),
-            repetition_penalty=_or(self.repetition_penalty,
-                                   defaults.get("repetition_penalty", 1.0)),
-            seed=self.seed, max_tokens=max_tokens, priority=self.priority,
-            structured_outputs=self._constraint())
-
-    def _constraint(self) -> StructuredOutputsParams | None:
-        fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.json_schema is None:
-            raise ValueError("text.format of type json_schema needs its schema.")
-        return StructuredOutputsParams(json=fmt.json_schema)
-
-
-class LoadLoRAAdapterRequest(_Strict):
-    """POST /v1/load_lora_adapter (vLLM's, with runtime LoRA updating allowed)."""
-
-    lora_name: StrictStr
-    lora_path: StrictStr
-
-
-class UnloadLoRAAdapterRequest(_Strict):
-    """POST /v1/unload_lora_adapter."""
-
-    lora_name: StrictStr
-    lora_int_id: StrictInt | None = None
-
-
-class ScoreRequest(_Strict):
-    """POST /score and /v1/score (vLLM's): ``text_1`` (one text, or a list) scored
-    against ``text_2`` (one text, or a list as long)."""
-
-    model: StrictStr | None = None
-    text_1: StrictStr | list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
-    text_2: StrictStr | list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
-    truncate_prompt_tokens: StrictInt | None = None
-    user: StrictStr | None = None
-
-    @field_validator("text_1", "text_2")
-    @classmethod
-    def _cap_texts(cls, value: Any, info: ValidationInfo) -> Any:
-        return _cap_prompt_list(str(info.field_name), value)
-
-
-class RerankRequest(_Strict):
-    """POST /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's shape, as vLLM has
-    it): ``documents`` ranked by their score against ``query``, the best ``top_n``."""
-
-    model: StrictStr | None = None
-    query: StrictStr
-    documents: list[StrictStr] = Field(json_schema_extra={"maxItems": MAX_PROMPTS})
-    top_n: StrictInt | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    user: StrictStr | None = None
-
-    @field_validator("documents")
-    @classmethod
-    def _cap_documents(cls, value: list[str]) -> list[str]:
-        return _check_count("documents", value, MAX_PROMPTS, "documents")
-
-
-class ScoreData(BaseModel):
-    index: int
-    object: Literal["score"]
-    score: float
-
-
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"]
-    created: int
-    model: str
-    data: list[ScoreData]
-    usage: UsageInfo
-
-
-class RerankDocument(BaseModel):
-    text: str
-
-
-class RerankResult(BaseModel):
-    index: int = Field(description="the document's place in the request's list")
-    document: RerankDocument
-    relevance_score: float
-
-
-class RerankUsage(BaseModel):
-    total_tokens: int
-
-
-class RerankResponse(BaseModel):
-    id: str
-    model: str
-    usage: RerankUsage
-    results: list[RerankResult] = Field(description="best first")
-
-
-class ResponseOutputText(BaseModel):
-    type: Literal["output_text"]
-    text: str
-    annotations: list[Any]
-
-
-class ResponseOutputMessage(BaseModel):
-    type: Literal["message"]
-    id: str
-    role: Literal["assistant"]
-    status: Literal["in_progress", "completed", "incomplete"]
-    content: list[ResponseOutputText]
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    output_tokens: int
-    total_tokens: int
-
-
-class ResponsesResponse(BaseModel):
-    """A Responses API response (the fields rvllm fills; the request's settings are
-    echoed beside them)."""
-
-    id: str
-    object: Literal["response"]
-    created_at: int
-    model: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    incomplete_details: dict[str, str] | None
-    output: list[ResponseOutputMessage]
-    usage: ResponseUsage | None
-
-
-class EmbeddingData(BaseModel):
-    index: int
-    object: Literal["embedding"]
-    embedding: list[float] | str = Field(description="the vector, or with encoding_format "
-                                                     "base64 its little-endian float32 "
-                                                     "bytes in base64")
-
-
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"]
-    created: int
-    model: str
-    data: list[EmbeddingData]
-    usage: UsageInfo
-
-
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -976,90 +716,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
-    ScoreRequest, RerankRequest, TokenizeRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
-    UnloadLoRAAdapterRequest)
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionResponse, CompletionStreamResponse, ChatCompletionResponse,
-    ChatCompletionStreamResponse, ResponsesResponse, EmbeddingResponse, ScoreResponse,
-    RerankResponse, ModelList, TokenizeResponse, DetokenizeResponse, ErrorResponse)
-OPENAPI_REF = "#/components/schemas/{model}"
-
-
-def openapi_schemas() -> dict[str, Any]:
-    """The JSON schemas of the request and response models (and of every model they
-    hold), by name, with ``$ref``s into an OpenAPI document's ``components/schemas``.
-    Requests are described as they are validated, responses as they are written."""
-    inputs = [(m, "validation") for m in REQUEST_MODELS]
-    outputs = [(m, "serialization") for m in RESPONSE_MODELS]
-    _, schema = models_json_schema(inputs + outputs, ref_template=OPENAPI_REF)  # type: ignore[arg-type]
-    return dict(schema.get("$defs", {}))
-
-
-def schema_ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": OPENAPI_REF.format(model=model.__name__)}
-
-
-def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """A route's ``openapi_extra``: its JSON body is ``model``. (The routes read the raw
-    body and validate it themselves, so that every error keeps OpenAI's shape.)"""
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema_ref(model)}}}}
-
-
-ERROR_DESCRIPTIONS = {
-    400: "Invalid request: malformed JSON, a wrong type, a value out of range or past a "
-         "size cap, an unknown field, or a prompt longer than the context",
-    401: "Missing or wrong API key (only with --api-key)",
-    404: "The model is not the one served",
-    413: "The request body is larger than --max-request-body-bytes",
-    503: "The engine is not running, or too many requests are waiting "
-         "(--max-waiting-requests; then with Retry-After)",
-}
-
-
-def openapi_responses(ok: type[BaseModel] | None, errors: tuple[int, ...],
-                      stream: type[BaseModel] | None = None,
-                      ok_description: str = "Successful Response",
-                      descriptions: dict[int, str] | None = None) -> dict[int | str, Any]:
-    """A route's ``responses``: ``ok`` as JSON (and ``stream``'s events, with ``stream:
-    true``), and ``ErrorResponse`` under each status of ``errors`` (described as in
-    ``ERROR_DESCRIPTIONS``, or ``descriptions``)."""
-    responses: dict[int | str, Any] = {}
-    if ok is not None:
-        content: dict[str, Any] = {"application/json": {"schema": schema_ref(ok)}}
-        if stream is not None:
-            content["text/event-stream"] = {"schema": schema_ref(stream)}
-            ok_description += (f". With stream: true, Server-Sent Events instead: each "
-                               f"`data: <{stream.__name__} JSON>`, the last `data: [DONE]`")
-        responses[200] = {"description": ok_description, "content": content}
-    for status in errors:
-        responses[status] = {"description": (descriptions or {}).get(
-                                 status, ERROR_DESCRIPTIONS[status]),
-                             "content": {"application/json": {
-                                 "schema": schema_ref(ErrorResponse)}}}
-    if 503 in errors and stream is not None:
-        responses[503]["headers"] = {"Retry-After": {
-            "description": "seconds to wait, when the server is overloaded",
-            "schema": {"type": "integer"}}}
-    return responses
-
-
-def complete_openapi(doc: dict[str, Any], api_key: bool) -> dict[str, Any]:
-    """FastAPI's document for the app, with the request and response schemas the routes
-    refer to, and (with an API key) bearer authentication on every /v1 route."""
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for name, schema in openapi_schemas().items():
-        if schemas.setdefault(name, schema) != schema:
-            raise ValueError(f"two OpenAPI schemas are named {name}")
-    if api_key:
-        doc["components"]["securitySchemes"] = {"bearerAuth": {"type": "http",
-                                                               "scheme": "bearer"}}
-        for path, operations in doc.get("paths", {}).items():
-            if path.startswith("/v1"):
-                for operation in operations.values():
-                    operation["security"] = [{"bearerAuth": []}]
-    return doc

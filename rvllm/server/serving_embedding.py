@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from rvllm.outputs import RequestOutput
 from rvllm.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from rvllm.server.errors import APIError, bad_request
-from rvllm.server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from rvllm.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from rvllm.server.serving import PARAM_FIELDS, ServingBase
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
 from rvllm.outputs import RequestOutput
 from rvllm.server.errors import APIError, bad_request
-from rvllm.server.protocol import ResponsesRequest
+from rvllm.server.protocol_responses import ResponsesRequest
 from rvllm.server.serving import PARAM_FIELDS, ServingBase, merge_streams
 from rvllm.server.serving_chat import render_chat_prompt
 
