@@ -157,3 +157,26 @@ def test_a_constraint_waits_for_the_end_of_the_reasoning(client):
     reasoning, older, content = _whole(client, **kwargs)
     assert reasoning is None and older is None and content in ("Paris", "Lyon")
     assert _streamed(client, **kwargs) == ("", "", content)
+
+
+@needs_smollm2
+def test_the_responses_api_puts_the_reasoning_in_a_reasoning_item(client):
+    """/v1/responses under deepseek_r1: the <think> text is a reasoning item before the
+    message, whole and streamed (reasoning_text deltas, then the message's items)."""
+    reasoning, _, _ = _whole(client, messages=ASK)
+    model = client.models.list().data[0].id
+    whole = client.responses.create(model=model, input=ASK[0]["content"], temperature=0,
+                                    max_output_tokens=24)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == reasoning
+    assert whole.output_text == ""
+    events = list(client.responses.create(model=model, input=ASK[0]["content"],
+                                          temperature=0, max_output_tokens=24, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == reasoning

@@ -114,21 +114,11 @@ class ChatServing(ServingBase):
         thinking = self._thinking(prompt_ids, SamplingParams())
         return JSONResponse(self._response(req, tools, thinking, request_id, final))
 
-    def _thinking(self, prompt_ids: list[int], params: Any) -> _Thinking | None:
-        """How this request's output splits into reasoning and content; None without a
-        reasoning parser. A constraint (structured output, a forced tool call) starts
-        after the reasoning's </think>, unless the prompt has closed the block."""
-        if self.reasoning_parser is None:
-            return None
-        tokenizer = self.engine.tokenizer
-        tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        constraint = params.structured_outputs
-        if constraint is not None and self.reasoning_parser.may_think(tail):
-            constraint.starts_after = tokenizer.encode(THINK_END, add_special_tokens=False)
-        return _Thinking(self.reasoning_parser, tail)
+    def _thinking(self, prompt_ids: list[int], params: Any) -> Thinking | None:
+        return thinking(self.reasoning_parser, self.engine.tokenizer, prompt_ids, params)
 
     def _response(self, req: ChatCompletionRequest, tools: _ToolUse,
-                  thinking: _Thinking | None, request_id: str, final: RequestOutput
+                  thinking: Thinking | None, request_id: str, final: RequestOutput
                   ) -> dict[str, Any]:
         choices = []
         for c in final.outputs:
@@ -161,7 +151,7 @@ class ChatServing(ServingBase):
         return response
 
     async def _stream(self, req: ChatCompletionRequest, tools: _ToolUse,
-                      thinking: _Thinking | None, request_id: str, stream: RequestStream
+                      thinking: Thinking | None, request_id: str, stream: RequestStream
                       ) -> AsyncIterator[str]:
         created = self.created()
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -206,7 +196,7 @@ class ChatServing(ServingBase):
                     finish_reason = c.finish_reason
                     reasoning = ""
                     if reasoning_streams[i] is not None:
-                        reasoning, text = _split_delta(reasoning_streams[i], text,
+                        reasoning, text = split_delta(reasoning_streams[i], text,
                                                        bool(finish_reason))
                     if tool_streams[i] is None:
                         split = reasoning_streams[i] is not None
@@ -244,7 +234,7 @@ _PROMPT_TAIL_TOKENS = 32
 
 
 @dataclass
-class _Thinking:
+class Thinking:
     """One request's reasoning split: the server's reasoning parser, and the end of the
     request's prompt, which may open or close the block."""
 
@@ -252,7 +242,21 @@ class _Thinking:
     prompt_tail: str
 
 
-def _split_delta(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
+def thinking(parser: ReasoningParser | None, tokenizer: Tokenizer, prompt_ids: list[int],
+             params: Any) -> Thinking | None:
+    """How a request's output splits into reasoning and content; None without a
+    reasoning parser. A constraint (structured output, a forced tool call) starts after
+    the reasoning's </think>, unless the prompt has closed the block."""
+    if parser is None:
+        return None
+    tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    constraint = params.structured_outputs
+    if constraint is not None and parser.may_think(tail):
+        constraint.starts_after = tokenizer.encode(THINK_END, add_special_tokens=False)
+    return Thinking(parser, tail)
+
+
+def split_delta(stream: ReasoningStream, text: str, final: bool) -> tuple[str, str]:
     """A streamed choice's new text as (reasoning, content); at the end, with whatever
     the stream held back."""
     reasoning, content = stream.feed(text)
