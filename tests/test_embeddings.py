@@ -297,3 +297,19 @@ def test_score_and_rerank_over_http(server):
         assert ranked["usage"]["total_tokens"] > 0
     empty = httpx.post(f"{server.url}/rerank", json={"query": "x", "documents": []})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+
+
+def test_chat_messages_embed_as_their_rendered_prompt(server):
+    import httpx
+
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    ids = httpx.post(f"{server.url}/tokenize", json={
+        "messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    by_chat = httpx.post(f"{server.url}/v1/embeddings", json={"messages": messages}).json()
+    by_ids = httpx.post(f"{server.url}/v1/embeddings", json={"input": ids}).json()
+    assert by_chat["data"][0]["embedding"] == by_ids["data"][0]["embedding"]
+    assert by_chat["usage"]["prompt_tokens"] == len(ids)
+    both = httpx.post(f"{server.url}/v1/embeddings", json={"messages": messages, "input": "x"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "input"
+    empty = httpx.post(f"{server.url}/v1/embeddings", json={"messages": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -17,7 +18,9 @@ from pydantic import (
 
 from rvllm.pooling_params import PoolingParams
 from rvllm.server.protocol import (
+    MAX_MESSAGES,
     MAX_PROMPTS,
+    ChatMessage,
     TokenIds,
     UsageInfo,
     _cap_prompt_list,
@@ -30,11 +33,22 @@ from rvllm.server.protocol import (
 
 class EmbeddingRequest(_Strict):
     """POST /v1/embeddings (OpenAI's fields, and vLLM's ``truncate_prompt_tokens``,
-    ``add_special_tokens`` and ``normalize``)."""
+    ``add_special_tokens`` and ``normalize``). Instead of ``input``, vLLM's chat form:
+    ``messages`` rendered with the chat template (``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``), one vector."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"oneOf": [{"required": ["input"]},
+                                                           {"required": ["messages"]}]})
     model: StrictStr | None = None
-    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] = Field(
-        json_schema_extra=_prompt_schema)
+    input: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] | None = Field(
+        None, json_schema_extra=_prompt_schema)
+    messages: list[ChatMessage] | None = Field(None,
+                                               json_schema_extra={"maxItems": MAX_MESSAGES})
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
@@ -47,8 +61,13 @@ class EmbeddingRequest(_Strict):
     def _cap_inputs(cls, value: Any) -> Any:
         return _cap_prompt_list("input", value)
 
+    @field_validator("messages")
+    @classmethod
+    def _cap_messages(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        return _check_count("messages", messages, MAX_MESSAGES)
+
     def prompts(self) -> list[str | list[int]]:
-        return _prompt_list(self.input)
+        return [] if self.input is None else _prompt_list(self.input)
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,

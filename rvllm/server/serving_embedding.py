@@ -17,6 +17,7 @@ from rvllm.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from rvllm.server.errors import APIError, bad_request
 from rvllm.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from rvllm.server.serving import PARAM_FIELDS, ServingBase
+from rvllm.server.serving_chat import render_chat_prompt
 
 
 class EmbeddingServing(ServingBase):
@@ -25,14 +26,19 @@ class EmbeddingServing(ServingBase):
     async def create(self, body: bytes, request: Request) -> Response:
         req = EmbeddingRequest.model_validate_json(body)
         self.check_model(req.model)
-        prompts = req.prompts()
+        if (req.input is None) == (req.messages is None):
+            raise APIError("Give exactly one of 'input' and 'messages'.", param="input")
+        if req.messages is not None:
+            prompts: list[str | list[int]] = [self._chat_prompt(req)]
+        else:
+            prompts = req.prompts()
         if not prompts:
             raise APIError("input must not be empty.", param="input")
         try:
             params = req.pooling_params()
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
-        if not req.add_special_tokens:
+        if not req.add_special_tokens and req.messages is None:
             prompts = [self._tokens(p, req.truncate_prompt_tokens) for p in prompts]
         request_id = self.new_id()
         finals = await self._embed(request_id, prompts, params, request)
@@ -103,6 +109,20 @@ class EmbeddingServing(ServingBase):
         if any(f.pooled is None for f in finals):
             raise APIError("The request was aborted.", 503)
         return finals
+
+    def _chat_prompt(self, req: EmbeddingRequest) -> list[int]:
+        """The messages rendered with the chat template (which holds its own special
+        tokens), as the chat endpoint renders them."""
+        if not req.messages:
+            raise APIError("messages must not be empty.", param="messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("add_generation_prompt and continue_final_message cannot both "
+                           "be true.", param="continue_final_message")
+        return render_chat_prompt(self.engine.tokenizer, req.messages,
+                                  req.add_generation_prompt, req.continue_final_message, None,
+                                  req.chat_template, req.chat_template_kwargs,
+                                  None if req.truncate_prompt_tokens is not None
+                                  else self.engine.max_model_len)
 
     def _tokens(self, prompt: str | list[int], truncate: int | None) -> list[int]:
         """A text's token ids without the tokenizer's special tokens (BOS); tokenized
