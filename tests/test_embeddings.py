@@ -112,6 +112,23 @@ def test_a_preempted_pooling_request_pools_each_position_once(llama_dir, kind):
                  reference(llama_dir, [prompt], kind))
 
 
+def test_a_chunk_that_repeats_pooled_positions_adds_only_the_new_ones(llama_dir):
+    """With a step in flight, a chunk recomputed after a preemption may have been planned
+    before the chunk before it was taken: its rows overlap what is pooled already."""
+    from rvllm.executor.model_runner import SeqStepOutput
+
+    llm = LLM(str(llama_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"})
+    engine = llm.engine
+    engine.add_request("r", list(range(1, 40)), PoolingParams())
+    seq = engine.requests["r"].seqs[0]
+    rows = torch.arange(39 * 64, dtype=torch.float32).view(39, 64)
+    for first, count in ((0, 20), (16, 16), (0, 16)):
+        engine._take_pooled(seq, SeqStepOutput(seq, count, pool_rows=rows[first:first + count],
+                                               pool_count=count, pool_first=first))
+    assert seq.pool_count == 32 and torch.equal(seq.pool_sum, rows[:32].sum(0))
+    engine.abort_request("r")
+
+
 def test_async_scheduling_pools_the_same(llama_dir):
     llm = LLM(str(llama_dir), runner="pooling", async_scheduling=True,
               pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=16)

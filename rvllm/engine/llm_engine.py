@@ -680,12 +680,16 @@ class LLMEngine:
         """A pooling sequence's chunk: its pooled positions added; once the prompt is
         through, the vector made and the sequence finished. Whether it finished."""
         if out.pool_count:
+            assert out.pool_rows is not None
             if seq.pooling != "MEAN":
-                seq.pool_sum, seq.pool_count = out.pool_sum, 1
-            elif out.pool_first == seq.pool_count:  # else recomputed: pooled already
-                seq.pool_sum = (out.pool_sum if seq.pool_sum is None
-                                else seq.pool_sum + out.pool_sum)
-                seq.pool_count += out.pool_count
+                seq.pool_sum, seq.pool_count = out.pool_rows[0], 1
+            elif out.pool_first <= seq.pool_count < out.pool_first + out.pool_count:
+                # Only the positions not pooled yet: a chunk recomputed after a preemption
+                # (with a step in flight, planned before the last chunk was taken) may
+                # repeat some.
+                new = out.pool_rows[seq.pool_count - out.pool_first:].sum(0)
+                seq.pool_sum = new if seq.pool_sum is None else seq.pool_sum + new
+                seq.pool_count = out.pool_first + out.pool_count
         expected = seq.num_prompt_tokens if seq.pooling == "MEAN" else 1
         if not out.pool_done or seq.pool_count != expected:
             return False

@@ -63,9 +63,9 @@ class SeqStepOutput:
     # the device until ``device_tokens.resolve_outputs`` fills them in.
     pending: DeviceTokens | None = None
     pending_row: int = 0
-    # A pooling sequence's chunk: the sum of the hidden states of the positions it pools
-    # (from ``pool_first``, ``pool_count`` of them), and whether it ended the prompt.
-    pool_sum: torch.Tensor | None = None
+    # A pooling sequence's chunk: the hidden states of the positions it pools (from
+    # ``pool_first``, ``pool_count`` of them, in float32), and whether it ended the prompt.
+    pool_rows: torch.Tensor | None = None
     pool_count: int = 0
     pool_first: int = 0
     pool_done: bool = False
@@ -347,7 +347,7 @@ class ModelRunner:
         for i, (row, count, first, done) in plan.pool.items():
             out = outputs[i]
             if count:
-                out.pool_sum = hidden[row:row + count].float().sum(0)
+                out.pool_rows = hidden[row:row + count].float()
             out.pool_count, out.pool_first, out.pool_done = count, first, done
         return outputs
 
