@@ -65,6 +65,15 @@ TOOLS = [
                        "required": ["zone"], "additionalProperties": False}}},
 ]
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+# The question, the model's call and the call's result.
+WEATHER_ANSWERED = [
+    *WEATHER,
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather",
+                     "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +200,7 @@ def test_tool_choice_none_and_history_with_tool_messages(client, model):
     content, finish, calls = chat(client, model, False, messages=WEATHER, tools=TOOLS,
                                   tool_choice="none", max_tokens=16)
     assert content and not calls and finish in ("stop", "length")
-    history = WEATHER + [
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather",
-                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-    ]
+    history = WEATHER_ANSWERED
     content, _, _ = chat(client, model, False, messages=history, tools=TOOLS, max_tokens=16)
     assert content
 
@@ -215,3 +218,41 @@ def test_metrics_count_constrained_requests(server, client, model):
 def test_an_unknown_tool_call_parser_stops_the_server_at_start(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         ServerProcess(None, "--tool-call-parser", "nonesuch", timeout=60)
+
+
+def _flat(tools: list[dict]) -> list[dict]:
+    """Chat tools in the Responses API's flat form."""
+    return [{"type": "function", **t["function"]} for t in tools]
+
+
+def test_responses_api_calls_functions_as_chat_does(client, model):
+    """/v1/responses with tools: each call the chat endpoint reads out of the model's text
+    is a function_call item; calls and their outputs sent back in input render as the
+    chat's tool_calls and tool messages."""
+    _, _, calls = chat(client, model, False, messages=WEATHER, tools=TOOLS,
+                       tool_choice="required")
+    r = client.responses.create(model=model, input=WEATHER[0]["content"], temperature=0,
+                                max_output_tokens=120, tools=_flat(TOOLS),
+                                tool_choice="required")
+    items = [item for item in r.output if item.type == "function_call"]
+    assert [(i.name, i.arguments) for i in items] == \
+        [(c["name"], c["arguments"]) for c in calls.values()]
+    assert all(i.call_id.startswith("call_") for i in items)
+    named = client.responses.create(model=model, input=WEATHER, temperature=0,
+                                    max_output_tokens=120, tools=_flat(TOOLS),
+                                    tool_choice={"type": "function", "name": "get_time"})
+    assert [i.name for i in named.output if i.type == "function_call"] == ["get_time"]
+    history = [*WEATHER,
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris", "unit": "celsius"}'},
+               {"type": "function_call_output", "call_id": "call_1",
+                "output": '{"temperature": 21}'}]
+    answer = client.responses.create(model=model, input=history, temperature=0,
+                                     max_output_tokens=16, tools=_flat(TOOLS),
+                                     tool_choice="none")
+    content, _, _ = chat(client, model, False, messages=WEATHER_ANSWERED, tools=TOOLS,
+                         tool_choice="none", max_tokens=16)
+    assert answer.output_text == content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hi", tools=_flat(TOOLS), stream=True)
+    assert e.value.body["param"] == "stream"

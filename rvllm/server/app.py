@@ -171,7 +171,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     chat = ChatServing(serving_engine, names, tool_call_parser,
                        enable_auto_tool_choice, reasoning_parser, default_sampling)
     embeddings = EmbeddingServing(serving_engine, names)
-    responses = ResponsesServing(serving_engine, names, default_sampling, reasoning_parser)
+    responses = ResponsesServing(serving_engine, names, default_sampling, reasoning_parser,
+                                 chat)
     completions.prompt_tokens_details = chat.prompt_tokens_details = prompt_tokens_details
     completions.tokens_as_ids = chat.tokens_as_ids = return_tokens_as_token_ids
     loras = {m.lora_name: m for m in lora_modules or []}

@@ -16,7 +16,14 @@ from pydantic import (
 )
 
 from rvllm.sampling_params import SamplingParams, StructuredOutputsParams
-from rvllm.server.protocol import MAX_MESSAGES, ChatMessage, _check_count, _or, _Strict
+from rvllm.server.protocol import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ChatMessage,
+    _check_count,
+    _or,
+    _Strict,
+)
 
 
 class ResponseInputText(_Strict):
@@ -35,6 +42,44 @@ class ResponseInputMessage(_Strict):
     content: StrictStr | list[ResponseInputText]
     id: StrictStr | None = None  # on output messages sent back; not read
     status: StrictStr | None = None
+
+
+class ResponseFunctionCall(_Strict):
+    """A function call of the model's, sent back in ``input``."""
+
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class ResponseFunctionCallOutput(_Strict):
+    """What a function call returned, in ``input``."""
+
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class ResponseFunctionTool(_Strict):
+    """A function tool, in the Responses API's flat form."""
+
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseNamedTool(_Strict):
+    """``tool_choice`` naming one function."""
+
+    type: Literal["function"]
+    name: StrictStr
 
 
 class ResponseTextFormat(_Strict):
@@ -59,7 +104,8 @@ class ResponsesRequest(_Strict):
     system message before them."""
 
     model: StrictStr | None = None
-    input: StrictStr | list[ResponseInputMessage] = Field(
+    input: StrictStr | list[ResponseInputMessage | ResponseFunctionCall
+                            | ResponseFunctionCallOutput] = Field(
         json_schema_extra={"maxItems": MAX_MESSAGES})
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = None
@@ -67,8 +113,9 @@ class ResponsesRequest(_Strict):
     top_p: float | None = None
     stream: StrictBool = False
     text: ResponseText | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ResponseFunctionTool] | None = Field(None,
+                                                     json_schema_extra={"maxItems": MAX_TOOLS})
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedTool | None = None
     previous_response_id: StrictStr | None = None
     background: StrictBool | None = None
     # Accepted and not acted on: rvllm keeps no responses, and reasons as the model does.
@@ -93,17 +140,55 @@ class ResponsesRequest(_Strict):
             value, list) else value
 
     def messages(self) -> list[ChatMessage]:
-        """The conversation: ``instructions`` as a system message, then ``input``."""
+        """The conversation: ``instructions`` as a system message, then ``input``: its
+        messages, its function calls as an assistant message's ``tool_calls`` (calls in a
+        row together), and their outputs as tool messages."""
         out = []
         if self.instructions is not None:
             out.append(ChatMessage(role="system", content=self.instructions))
         items = ([ResponseInputMessage(role="user", content=self.input)]
                  if isinstance(self.input, str) else self.input)
         for item in items:
-            text = (item.content if isinstance(item.content, str)
-                    else "".join(part.text for part in item.content))
-            out.append(ChatMessage(role=item.role, content=text))
+            if isinstance(item, ResponseFunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = out[-1] if out else None
+                if last is not None and last.role == "assistant" and last.tool_calls:
+                    last.tool_calls.append(call)
+                else:
+                    out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif isinstance(item, ResponseFunctionCallOutput):
+                out.append(ChatMessage(role="tool", content=item.output,
+                                       tool_call_id=item.call_id))
+            else:
+                text = (item.content if isinstance(item.content, str)
+                        else "".join(part.text for part in item.content))
+                out.append(ChatMessage(role=item.role, content=text))
         return out
+
+    def chat_request(self) -> dict[str, Any]:
+        """The chat completion request that asks the same: for tool calls, which the
+        chat endpoint reads out of the model's text."""
+        choice = self.tool_choice
+        if isinstance(choice, ResponseNamedTool):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        fields = {"model": self.model, "max_tokens": self.max_output_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p,
+                  "top_k": self.top_k, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+                  "priority": self.priority, "tool_choice": choice,
+                  "parallel_tool_calls": self.parallel_tool_calls}
+        body = {k: v for k, v in fields.items() if v is not None}
+        body["messages"] = [m.model_dump(exclude_none=True) for m in self.messages()]
+        body["tools"] = [{"type": "function", "function": t.model_dump(
+            exclude_none=True, exclude={"type", "strict"})} for t in self.tools or []]
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            body["response_format"] = (
+                {"type": "json_object"} if fmt.type == "json_object" else
+                {"type": "json_schema", "json_schema": {
+                    "name": fmt.name or "output", "schema": fmt.json_schema}})
+        return body
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """SamplingParams for this request; ValueError names the field at fault."""

@@ -57,7 +57,10 @@ class ChatServing(ServingBase):
                                  if reasoning_parser else None)
 
     async def create(self, body: bytes, request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate_json(body)
+        return await self.respond(ChatCompletionRequest.model_validate_json(body), request)
+
+    async def respond(self, req: ChatCompletionRequest, request: Request) -> Response:
+        """The response to a parsed request: JSON, or an event stream."""
         lora = self.check_model(req.model)
         _check_supported(req)
         tools = _ToolUse(req, self.tool_parser if self.enable_auto_tool_choice else None)

@@ -8,8 +8,11 @@ are the Responses API's: ``response.created``, ``response.in_progress``, each ou
 (and the message's content part) added, ``response.reasoning_text.delta`` and
 ``response.output_text.delta`` per piece of text, their ``.done`` events, and
 ``response.completed`` (or ``response.incomplete`` when ``max_output_tokens`` cut it).
-Responses are not stored, so ``previous_response_id`` is refused, as are tools and
-background runs.
+A request with function tools (not streamed) goes through the chat endpoint, which
+reads the calls out of the model's text, and each call comes back as a ``function_call``
+item; ``function_call`` and ``function_call_output`` items in ``input`` render as the
+assistant's tool calls and tool messages. Responses are not stored, so
+``previous_response_id`` is refused, as are background runs.
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ from fastapi.responses import JSONResponse, Response
 from rvllm.engine.async_engine import EngineDeadError, RequestStream
 from rvllm.outputs import RequestOutput
 from rvllm.server.errors import APIError, bad_request
+from rvllm.server.protocol import ChatCompletionRequest
 from rvllm.server.protocol_responses import ResponsesRequest
 from rvllm.server.reasoning_parsers import get_reasoning_parser
 from rvllm.server.serving import PARAM_FIELDS, ServingBase, merge_streams
-from rvllm.server.serving_chat import Thinking, render_chat_prompt, split_delta, thinking
+from rvllm.server.serving_chat import (
+    ChatServing,
+    Thinking,
+    render_chat_prompt,
+    split_delta,
+    thinking,
+)
 
 # Fields whose messages name them, beside the sampling ones.
 _FIELDS = PARAM_FIELDS | {"max_output_tokens", "text", "input", "instructions"}
@@ -40,20 +50,25 @@ class ResponsesServing(ServingBase):
 
     def __init__(self, engine: Any, model_names: str | list[str],
                  default_sampling: dict[str, Any] | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 chat: ChatServing | None = None) -> None:
         super().__init__(engine, model_names, default_sampling)
         self.reasoning_parser = (get_reasoning_parser(reasoning_parser)
                                  if reasoning_parser else None)
+        # Requests with tools go through the chat endpoint, which reads calls out of text.
+        self.chat = chat
 
     async def create(self, body: bytes, request: Request) -> Response:
         req = ResponsesRequest.model_validate_json(body)
         lora = self.check_model(req.model)
-        for name in ("tools", "previous_response_id", "background"):
+        for name in ("previous_response_id", "background"):
             if getattr(req, name):
                 raise APIError(f"{name} is not supported by rvllm's /v1/responses yet.",
                                param=name)
         if isinstance(req.input, list) and not req.input:
             raise APIError("input must not be empty.", param="input")
+        if req.tools:
+            return await self._with_tools(req, request)
         prompt_ids = render_chat_prompt(self.engine.tokenizer, req.messages(), True, False,
                                         None, None, None, self.engine.max_model_len)
         try:
@@ -82,6 +97,37 @@ class ResponsesServing(ServingBase):
         items = [shell.reasoning(reasoning, status)] if reasoning else []
         items.append(shell.message(content or "", status))
         return JSONResponse(shell.response(status, items, _usage(final)))
+
+    async def _with_tools(self, req: ResponsesRequest, request: Request) -> Response:
+        """A request with tools, answered by the chat endpoint and told as Responses
+        items: reasoning, the message's text, and a ``function_call`` item per call."""
+        if req.stream:
+            raise APIError("stream with tools is not supported by rvllm's /v1/responses "
+                           "yet.", param="stream")
+        assert self.chat is not None
+        answer = await self.chat.respond(
+            ChatCompletionRequest.model_validate(req.chat_request()), request)
+        body = json.loads(bytes(answer.body))
+        choice = body["choices"][0]
+        message = choice["message"]
+        status = _status(choice["finish_reason"])
+        shell = _Shell(req, self.new_id(), body["model"])
+        items = [shell.reasoning(message["reasoning"], status)] if message.get(
+            "reasoning") else []
+        if message.get("content") or not message.get("tool_calls"):
+            items.append(shell.message(message.get("content") or "", status))
+        for call in message.get("tool_calls") or []:
+            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                          "call_id": call["id"], "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"],
+                          "status": "completed"})
+        usage = body["usage"]
+        return JSONResponse(shell.response(status, items, {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}))
 
     async def _stream(self, shell: _Shell, split: Thinking | None, stream: RequestStream
                       ) -> AsyncIterator[str]:
@@ -231,8 +277,12 @@ class _Shell:
                                    if status == "incomplete" else None),
             "error": None, "instructions": req.instructions, "output": output or [],
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
-            "top_p": req.top_p, "parallel_tool_calls": False, "tool_choice": "auto",
-            "tools": [], "text": {"format": fmt}, "metadata": req.metadata,
+            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "tool_choice": (req.tool_choice.model_dump() if hasattr(req.tool_choice,
+                                                                   "model_dump")
+                            else req.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "text": {"format": fmt}, "metadata": req.metadata,
             "previous_response_id": None, "store": False, "truncation": "disabled",
             "user": req.user, "usage": usage,
         }
