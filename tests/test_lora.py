@@ -136,6 +136,26 @@ def test_max_loras_bounds_the_adapters_of_each_step(llama_dir, adapters):
     assert [finished[str(i)] for i in range(6)] == want_all + want_qv
 
 
+def test_the_snapshot_names_the_running_and_waiting_adapters(llama_dir, adapters):
+    from rvllm.engine.async_engine import snapshot_of
+    from rvllm.engine.data_parallel import _plus
+
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_cpu_loras=2)
+    engine = llm.engine
+    for i, lora in enumerate([adapters["all"][0], adapters["qv"][0], None]):
+        engine.add_request(str(i), PROMPTS[0], SamplingParams(max_tokens=4,
+                                                              lora_request=lora))
+    snap = snapshot_of(engine)
+    assert (snap.running_lora_adapters, snap.waiting_lora_adapters, snap.max_loras) == \
+        ((), ("all", "qv"), 1)
+    engine.step()  # one adapter at a time: "all" runs, "qv" waits
+    snap = snapshot_of(engine)
+    assert (snap.running_lora_adapters, snap.waiting_lora_adapters) == (("all",), ("qv",))
+    assert _plus(("qv",), ("all", "qv")) == ("all", "qv")  # data parallel: the union
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_bad_adapters_are_refused_by_name(llama_dir, adapters, tmp_path):
     llm = LLM(str(llama_dir), enable_lora=True, max_lora_rank=8)
     root = adapters["root"]
@@ -206,6 +226,9 @@ def test_the_server_serves_lora_modules_by_model_name(llama_dir, adapters, monke
                         "--lora-modules", f"mine={all_lora.lora_path}")
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",' \
+            'waiting_lora_adapters=""}' in metrics
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {"base", "mine"}
         assert models["mine"].model_extra["parent"] == "base"

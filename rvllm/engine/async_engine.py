@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rvllm.config import EngineArgs
 from rvllm.inputs import PromptType
@@ -69,6 +69,11 @@ class EngineSnapshot:
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
     engine_resident_memory_bytes: int = 0  # the engine process's resident memory
     num_requests_swapped: int = 0  # preempted to CPU swap space (not in waiting's count)
+    # LoRA (--enable-lora): the adapters of the running and the waiting requests, by
+    # name, and --max-loras (0: LoRA off).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
@@ -86,7 +91,16 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
         generation_tokens=engine.stats["generation_tokens"],
         prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions, num_requests_swapped=swapped,
+        running_lora_adapters=_adapters(list(scheduler.running)),
+        waiting_lora_adapters=_adapters([*scheduler.waiting, *scheduler.swapped]),
+        max_loras=scheduler.config.max_loras,
         **engine.snapshot_counters())
+
+
+def _adapters(seqs: list[Any]) -> tuple[str, ...]:
+    """The names of the LoRA adapters ``seqs`` run, sorted."""
+    return tuple(sorted({s.params.lora_request.lora_name for s in seqs
+                         if s.params.lora_request is not None}))
 
 
 _END = object()  # end of a stream without a finished output (the request was aborted)

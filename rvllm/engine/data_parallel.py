@@ -166,6 +166,7 @@ class DataParallelEngine:
                                   for f in dataclasses.fields(EngineSnapshot)})
         for name, value in retired.items():
             setattr(total, name, _plus(getattr(total, name), value))
+        total.max_loras = max(s.max_loras for s in snaps)  # a setting, not a count
         blocks = max(1, total.num_blocks)
         total.kv_cache_usage = 1.0 - total.num_free_blocks / blocks
         return total
@@ -275,6 +276,8 @@ def _plus(a: Any, b: Any) -> Any:
     """Two replicas' counts summed: numbers, or histogram buckets element by element."""
     if isinstance(a, tuple) or isinstance(b, tuple):
         a, b = (tuple(v) if isinstance(v, tuple) else () for v in (a, b))
+        if any(isinstance(x, str) for x in a + b):  # names (LoRA adapters): their union
+            return tuple(sorted(set(a) | set(b)))
         n = max(len(a), len(b))
         return tuple(x + y for x, y in zip(a + (0,) * (n - len(a)), b + (0,) * (n - len(b))))
     return a + b

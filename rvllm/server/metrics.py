@@ -74,6 +74,14 @@ class _EngineCollector(Collector):
                       s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.",
                       s.num_preemptions)
+        if s.max_loras:
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info", "The LoRA adapters of the running and the "
+                "waiting requests (as vLLM labels them); the value is the time.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(s.max_loras), ",".join(s.running_lora_adapters),
+                             ",".join(s.waiting_lora_adapters)], time.time())
+            yield lora
         yield gauge("rvllm:engine_resident_memory_bytes",
                     "Resident memory of the engine process (summed over replicas).",
                     s.engine_resident_memory_bytes)
