@@ -156,6 +156,22 @@ class BeamSearch:
         return beam_score(seq, self.eos_token_ids, self.params.length_penalty)
 
 
+def pending_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSearchSequence]]:
+    """The next step's work: every live beam of each search not done, search by search."""
+    return [(s, beam) for s in searches if not s.done for beam in s.beams]
+
+
+def advance_all(pending: list[tuple[BeamSearch, BeamSearchSequence]],
+                outputs: list[RequestOutput]) -> None:
+    """Each search's beams' one-token outputs (in ``pending``'s order) handed to it."""
+    start = 0
+    while start < len(pending):
+        search = pending[start][0]
+        count = len(search.beams)
+        search.advance(outputs[start:start + count])
+        start += count
+
+
 def as_request_output(request_id: str, prompt: str | None, prompt_ids: list[int],
                       beams: list[BeamSearchSequence], arrival_time: float) -> RequestOutput:
     """A search's results as one finished RequestOutput, a completion per beam (best

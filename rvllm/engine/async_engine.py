@@ -81,6 +81,7 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
     while it is not stepping)."""
     bm = engine.block_manager
     scheduler = engine.scheduler
+    lora = scheduler.config.max_loras > 0  # the adapters' names only where LoRA is on
     running = len({s.request_id for s in list(scheduler.running)})
     swapped = len({s.request_id for s in list(scheduler.swapped)})
     return EngineSnapshot(
@@ -91,8 +92,9 @@ def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
         generation_tokens=engine.stats["generation_tokens"],
         prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions, num_requests_swapped=swapped,
-        running_lora_adapters=_adapters(list(scheduler.running)),
-        waiting_lora_adapters=_adapters([*scheduler.waiting, *scheduler.swapped]),
+        running_lora_adapters=_adapters(list(scheduler.running)) if lora else (),
+        waiting_lora_adapters=(_adapters([*scheduler.waiting, *scheduler.swapped])
+                               if lora else ()),
         max_loras=scheduler.config.max_loras,
         **engine.snapshot_counters())
 

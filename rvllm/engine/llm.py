@@ -8,7 +8,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rvllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from rvllm.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    pending_beams,
+)
 from rvllm.config import EngineArgs
 from rvllm.engine.llm_engine import LLMEngine
 from rvllm.inputs import PromptType
@@ -142,15 +148,10 @@ class LLM:
                                        engine.max_model_len, lora_request))
         bar = tqdm(total=max(s.max_tokens for s in searches), desc="Beam search",
                    disable=not use_tqdm)
-        while live := [s for s in searches if not s.done]:
-            beams = [(s, beam) for s in live for beam in s.beams]
-            outputs = self._run(self._add([beam.tokens for _, beam in beams],
-                                          [s.step_params() for s, _ in beams]), False)
-            start = 0
-            for search in live:
-                count = len(search.beams)
-                search.advance(outputs[start:start + count])
-                start += count
+        while pending := pending_beams(searches):
+            advance_all(pending, self._run(self._add(
+                [beam.tokens for _, beam in pending],
+                [search.step_params() for search, _ in pending]), False))
             bar.update(1)
         bar.close()
         return [BeamSearchOutput(s.results(engine.tokenizer)) for s in searches]

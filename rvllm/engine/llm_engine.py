@@ -243,6 +243,7 @@ class LLMEngine:
 
             self.lora_manager = LoRAManager(self.model, args.max_lora_rank, self.device,
                                             dtype, args.max_cpu_loras or args.max_loras)
+            self.runner.lora_enabled = True
         self.speculative_config = args.speculative_config
         self.speculator = (None if self.speculative_config is None
                            else Speculator(self.speculative_config, drafter))

@@ -100,6 +100,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.tp_group = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
         self.decode_graphs = None  # DecodeGraphs when decode runs as CUDA graphs
+        self.lora_enabled = False  # --enable-lora: steps may have adapters to look for
         self.swap_space: list[tuple[torch.Tensor, ...]] = []
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int,
@@ -239,7 +240,7 @@ class ModelRunner:
         plan = _plan_logits(ordered)
         # LoRA adapters are added in the linear layers' forward, which the compiled CPU
         # calls and the CUDA graphs do not run: a step with one runs through the layers.
-        lora = any(s.seq.lora_id for s in ordered)
+        lora = self.lora_enabled and any(s.seq.lora_id for s in ordered)
         # Decodes alone, each sampling its one row: the step a graph or compiled call takes.
         decode_only = bool(decodes and not prefills and self.tp_group is None
                            and not plan.prompt and not plan.pool and not lora
@@ -339,7 +340,8 @@ class ModelRunner:
 
             send_step(StepInputs(input_ids, positions, metadata, logit_rows,
                                  sched.blocks_to_swap_out, sched.blocks_to_swap_in))
-        with set_forward_context(metadata), lora_rows(_lora_rows(ordered, self.device)):
+        rows = _lora_rows(ordered, self.device) if self.lora_enabled else None
+        with set_forward_context(metadata), lora_rows(rows):
             hidden = self.model(input_ids, positions)
             # One LM-head call for every row that needs logits (all ranks join it).
             logits = self.model.compute_logits(hidden[logit_rows]).float() if plan.rows else None

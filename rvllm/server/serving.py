@@ -15,7 +15,13 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from rvllm.beam_search import BeamSearch, BeamSearchParams, as_request_output
+from rvllm.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    advance_all,
+    as_request_output,
+    pending_beams,
+)
 from rvllm.engine.async_engine import AsyncEngine, EngineDeadError, PromptType, RequestStream
 from rvllm.lora.request import LoRARequest
 from rvllm.outputs import RequestOutput
@@ -160,38 +166,37 @@ class ServingBase:
         searches = []
         try:
             for prompt in prompts:
-                ids = prompt if isinstance(prompt, list) else self._encode(prompt)
+                ids = prompt if isinstance(prompt, list) else self.encode_text(prompt)
                 searches.append(BeamSearch(ids, params, engine.eos_token_ids,
                                            engine.max_model_len, lora_request))
         except ValueError as e:
             raise bad_request(e, PARAM_FIELDS) from e
         arrival = time.time()
         step = 0
-        while live := [s for s in searches if not s.done]:
-            beams = [(s, beam) for s in live for beam in s.beams]
+        while pending := pending_beams(searches):
             streams = await self.add_requests(
-                f"{request_id}-step{step}", [beam.tokens for _, beam in beams],
-                live[0].step_params(), final_only=True)
+                f"{request_id}-step{step}", [beam.tokens for _, beam in pending],
+                pending[0][0].step_params(), final_only=True)
             try:
-                outputs = await self.collect(streams, request)
+                advance_all(pending, await self.collect(streams, request))
             finally:
                 self.abort_unfinished(streams)
-            start = 0
-            for search in live:
-                count = len(search.beams)
-                search.advance(outputs[start:start + count])
-                start += count
             step += 1
         return [as_request_output(f"{request_id}-{i}", p if isinstance(p, str) else None,
                                   s.prompt_ids, s.results(engine.tokenizer), arrival)
                 for i, (p, s) in enumerate(zip(prompts, searches))]
 
-    def _encode(self, text: str) -> list[int]:
-        ids = self.engine.tokenizer.encode_bounded(text, self.engine.max_model_len)
+    def encode_text(self, text: str, add_special_tokens: bool = True,
+                    field: str = "prompt") -> list[int]:
+        """A text's token ids, tokenized only as far as the context allows: a text
+        longer than the context is a 400 naming ``field``, found before it is all
+        tokenized."""
+        limit = self.engine.max_model_len
+        ids = self.engine.tokenizer.encode_bounded(text, limit, add_special_tokens)
         if ids is None:
-            raise ValueError(f"This model's maximum context length is "
-                             f"{self.engine.max_model_len} tokens, and the prompt "
-                             f"({len(text)} characters) is longer than that.")
+            raise APIError(f"This model's maximum context length is {limit} tokens, and "
+                           f"the {field} ({len(text)} characters) is longer than that.",
+                           param=field, code="context_length_exceeded")
         return ids
 
     def sse_response(self, events: AsyncIterator[str],

@@ -129,17 +129,9 @@ class EmbeddingServing(ServingBase):
         only as far as the context allows, unless it is to be truncated."""
         if not isinstance(prompt, str):
             return prompt
-        tokenizer = self.engine.tokenizer
         if truncate is not None:
-            return tokenizer.encode(prompt, add_special_tokens=False)
-        ids = tokenizer.encode_bounded(prompt, self.engine.max_model_len,
-                                       add_special_tokens=False)
-        if ids is None:
-            raise APIError(f"This model's maximum context length is "
-                           f"{self.engine.max_model_len} tokens, and the input ({len(prompt)} "
-                           "characters) is longer than that.", param="input",
-                           code="context_length_exceeded")
-        return ids
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.encode_text(prompt, add_special_tokens=False, field="input")
 
     def _response(self, req: EmbeddingRequest, request_id: str,
                   finals: list[RequestOutput]) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class ResponsesServing(ServingBase):
         status = _status(completion.finish_reason)
         items = [shell.reasoning(reasoning, status)] if reasoning else []
         items.append(shell.message(content or "", status))
-        return JSONResponse(shell.response(status, items, _usage(final)))
+        return JSONResponse(shell.response(status, items, _usage_of(final)))
 
     async def _with_tools(self, req: ResponsesRequest, request: Request) -> Response:
         """A request with tools, answered by the chat endpoint and told as Responses
@@ -122,12 +122,8 @@ class ResponsesServing(ServingBase):
                           "arguments": call["function"]["arguments"],
                           "status": "completed"})
         usage = body["usage"]
-        return JSONResponse(shell.response(status, items, {
-            "input_tokens": usage["prompt_tokens"],
-            "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}))
+        return JSONResponse(shell.response(status, items, _usage(
+            usage["prompt_tokens"], usage["completion_tokens"], 0)))
 
     async def _stream(self, shell: _Shell, split: Thinking | None, stream: RequestStream
                       ) -> AsyncIterator[str]:
@@ -162,7 +158,7 @@ class ResponsesServing(ServingBase):
             yield event
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield events.send(kind, {"response": shell.response(status, items.done,
-                                                            _usage(final))})
+                                                            _usage_of(final))})
 
 
 class _ItemStreams:
@@ -236,12 +232,16 @@ class _ItemStreams:
         return {"item_id": item_id, "output_index": len(self.done), "content_index": 0}
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, generated = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _usage(prompt: int, generated: int, cached: int) -> dict[str, Any]:
     return {"input_tokens": prompt, "output_tokens": generated,
             "total_tokens": prompt + generated,
-            "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _usage_of(out: RequestOutput) -> dict[str, Any]:
+    return _usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids),
+                  out.num_cached_tokens)
 
 
 class _Shell:
